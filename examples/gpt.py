@@ -1,0 +1,254 @@
+"""A small GPT in Flax linen, used by the examples, tests and benchmarks.
+
+The transformer blocks are divided into `n_stages` contiguous groups, each run
+inside ``annotate("PP")``, so the compiler sees one pipeline region per group
+(PP=0, PP=1, ...). The embedding and the head are not annotated: the compiler
+joins them to the first and the last region.
+
+Parameter names do not depend on `n_stages` (blocks are ``block_0`` ...
+``block_{n_layers-1}`` at the top level), so the same parameters run under any
+number of stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from piper_jax.annotate import annotate
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "PRESETS",
+    "count_params",
+    "flops_per_token",
+    "get_config",
+    "init_params",
+    "loss_fn",
+    "random_batch",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """GPT hyperparameters.
+
+  Attributes:
+    vocab_size: number of tokens.
+    seq_len: sequence length (and number of learned positions).
+    d_model: width of the residual stream.
+    n_layers: number of transformer blocks.
+    n_heads: number of attention heads; must divide d_model.
+    mlp_ratio: MLP hidden width as a multiple of d_model.
+    n_stages: number of pipeline regions; must divide n_layers.
+    tie_embeddings: use the token embedding as the output head.
+    dtype: compute dtype (the loss is always computed in float32).
+    param_dtype: parameter dtype.
+  """
+
+  vocab_size: int
+  seq_len: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  mlp_ratio: int = 4
+  n_stages: int = 1
+  tie_embeddings: bool = False
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    if self.n_stages < 1 or self.n_layers % self.n_stages:
+      raise ValueError(
+          f"n_layers={self.n_layers} must be divisible by n_stages="
+          f"{self.n_stages}; pick n_stages among the divisors of n_layers")
+    if self.d_model % self.n_heads:
+      raise ValueError(
+          f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def layers_per_stage(self) -> int:
+    return self.n_layers // self.n_stages
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=256, seq_len=32, d_model=64, n_layers=4, n_heads=4),
+    "268m": dict(
+        vocab_size=32768, seq_len=1024, d_model=1024, n_layers=16, n_heads=16),
+    "1.3b": dict(
+        vocab_size=32768, seq_len=1024, d_model=2048, n_layers=24, n_heads=16),
+}
+
+
+def get_config(name: str, **overrides) -> GPTConfig:
+  """The preset `name` ("tiny", "268m", "1.3b") with `overrides` applied."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown GPT preset {name!r}; choose one of {list(PRESETS)}")
+  return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+def _dense_init(std: float) -> Callable:
+  return nn.initializers.normal(stddev=std)
+
+
+class CausalSelfAttention(nn.Module):
+  """Multi-head causal self-attention."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    batch, seq, _ = x.shape
+    qkv = nn.Dense(
+        3 * cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        kernel_init=_dense_init(0.02), name="qkv")(x)
+    qkv = qkv.reshape(batch, seq, 3, cfg.n_heads, cfg.head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    y = y.reshape(batch, seq, cfg.d_model)
+    # GPT-2: scale residual projections down with depth.
+    return nn.Dense(
+        cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        kernel_init=_dense_init(0.02 / math.sqrt(2 * cfg.n_layers)),
+        name="out")(y)
+
+
+class MLP(nn.Module):
+  """Two-layer MLP with gelu."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    h = nn.Dense(
+        cfg.mlp_ratio * cfg.d_model, dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype, kernel_init=_dense_init(0.02),
+        name="fc")(x)
+    h = nn.gelu(h)
+    return nn.Dense(
+        cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        kernel_init=_dense_init(0.02 / math.sqrt(2 * cfg.n_layers)),
+        name="proj")(h)
+
+
+class Block(nn.Module):
+  """Pre-LN transformer block."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    ln = lambda name: nn.LayerNorm(
+        dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+    x = x + CausalSelfAttention(cfg, name="attn")(ln("ln1")(x))
+    x = x + MLP(cfg, name="mlp")(ln("ln2")(x))
+    return x
+
+
+class GPT(nn.Module):
+  """Decoder-only transformer: tokens [B, T] -> logits [B, T, vocab]."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.config
+    embed = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype, embedding_init=_dense_init(0.02),
+        name="embed")
+    pos_embed = nn.Embed(
+        cfg.seq_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        embedding_init=_dense_init(0.01), name="pos_embed")
+    x = embed(tokens) + pos_embed(jnp.arange(tokens.shape[1]))[None]
+
+    for stage in range(cfg.n_stages):
+      with annotate("PP"):
+        for i in range(stage * cfg.layers_per_stage,
+                       (stage + 1) * cfg.layers_per_stage):
+          x = Block(cfg, name=f"block_{i}")(x)
+
+    x = nn.LayerNorm(
+        dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f")(x)
+    if cfg.tie_embeddings:
+      return embed.attend(x)
+    return nn.Dense(
+        cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype, kernel_init=_dense_init(0.02),
+        name="head")(x)
+
+
+def init_params(model: GPT, rng: jax.Array) -> Any:
+  """The model's parameters (the "params" collection), initialised from `rng`."""
+  tokens = jnp.zeros((1, model.config.seq_len), jnp.int32)
+  return model.init(rng, tokens)["params"]
+
+
+def loss_fn(model: GPT) -> Callable[[Any, dict[str, jax.Array]], jax.Array]:
+  """`loss(params, batch)`: mean token cross-entropy in float32.
+
+  The mean runs over all tokens of the batch; all sequences have the same
+  length, so it is also the mean over the batch's leading axis, and the means
+  of equal microbatches average to the batch's.
+  """
+
+  def loss(params, batch):
+    logits = model.apply({"params": params}, batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["targets"]).mean()
+
+  return loss
+
+
+def random_batch(
+    config: GPTConfig, rng: jax.Array, batch_size: int, pattern_seed: int = 0,
+) -> dict[str, jax.Array]:
+  """A synthetic batch whose next tokens are learnable.
+
+  The vocabulary is arranged in one fixed random cycle (from `pattern_seed`);
+  each sequence walks that cycle from a random start drawn from `rng`, and
+  `targets` are the tokens shifted by one. Next-token prediction is a fixed
+  bigram map, so the loss falls quickly from log(vocab_size) towards 0.
+
+  Returns:
+    {"tokens": int32 [batch_size, seq_len], "targets": int32 [batch_size, seq_len]}.
+  """
+  cycle = jax.random.permutation(
+      jax.random.PRNGKey(pattern_seed), config.vocab_size).astype(jnp.int32)
+  start = jax.random.randint(rng, (batch_size, 1), 0, config.vocab_size)
+  walk = cycle[(start + jnp.arange(config.seq_len + 1)) % config.vocab_size]
+  return {"tokens": walk[:, :-1], "targets": walk[:, 1:]}
+
+
+def count_params(params: Any) -> int:
+  """Total number of parameters in a pytree."""
+  return sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+def flops_per_token(config: GPTConfig) -> float:
+  """Training FLOPs per token, for MFU.
+
+  PaLM's formula (Chowdhery et al. 2022, appendix B): 6 * N + 12 * L * d * T,
+  where N counts the matmul weights (attention and MLP kernels of every block
+  and the output head; embedding lookups, biases and norms are left out),
+  L = n_layers, d = d_model and T = seq_len. The attention term counts the
+  full T x T score and value matmuls, ignoring the causal mask.
+  """
+  d, L = config.d_model, config.n_layers
+  per_block = (4 + 2 * config.mlp_ratio) * d * d
+  n_matmul = L * per_block + d * config.vocab_size
+  return 6.0 * n_matmul + 12.0 * L * d * config.seq_len

@@ -1,0 +1,9 @@
+"""Directive passes over the global training DAG, applied in one fixed order."""
+
+from piper_jax.ir.passes.comm import insert_collectives, insert_send_recv
+from piper_jax.ir.passes.order import apply_order
+from piper_jax.ir.passes.place import place_nodes
+from piper_jax.ir.passes.split import split_microbatches
+
+__all__ = ["apply_order", "insert_collectives", "insert_send_recv", "place_nodes",
+           "split_microbatches"]

@@ -1,0 +1,48 @@
+"""`apply_order`: temporal edges from `order` directives, rejecting cycles."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from piper_jax.ir.directives import Order
+from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.filters import select
+from piper_jax.ir.graph import DepKind, Edge, Graph, NodeKind
+
+__all__ = ["apply_order"]
+
+
+def apply_order(graph: Graph, directives: Sequence[tuple[int, Order]]) -> Graph:
+  """Adds a temporal edge from each node of group i to each node of group i+1 on its devices.
+
+  Needs: placed nodes. Groups match compute nodes; an order between groups that
+  share no device cannot be kept and is an error, as is an edge that closes a cycle.
+  After: the graph is acyclic and each temporal edge stays on one device group.
+  """
+  for index, d in directives:
+    groups = []
+    for gi, g in enumerate(d.groups):
+      nodes = []
+      for f in g:
+        nodes += [n for n in select(graph, f, kinds=(NodeKind.COMPUTE,)) if n not in nodes]
+      if not nodes:
+        raise DirectiveError(f"group {gi} matches no F/B node", index, d)
+      groups.append(nodes)
+    new = []
+    for gi, (a_nodes, b_nodes) in enumerate(zip(groups, groups[1:])):
+      pairs = [(a, b) for a in a_nodes for b in b_nodes if a.devices == b.devices and a.id != b.id]
+      if not pairs:
+        a, b = a_nodes[0], b_nodes[0]
+        raise DirectiveError(
+            f"orders group {gi} ({a.label} on devices {list(a.devices)}) before group {gi + 1} "
+            f"({b.label} on devices {list(b.devices)}), but they share no device: an order "
+            f"across devices cannot be kept; order nodes of one device group", index, d)
+      new += [Edge(a.id, b.id, DepKind.TEMPORAL) for a, b in pairs]
+    graph = graph.replace(edges=graph.edges + tuple(new))
+    cycle = graph.find_cycle()
+    if cycle:
+      labels = " -> ".join(graph.nodes[i].label for i in cycle)
+      raise DirectiveError(f"creates a cycle {labels}; reorder the groups so that every data "
+                           f"dependency (F before B, producer before consumer) is kept",
+                           index, d)
+  return graph

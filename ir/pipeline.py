@@ -1,0 +1,94 @@
+"""The one place the pass order is written: model + directives -> checked `Plan`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from piper_jax.ir.build import build_graph
+from piper_jax.ir.directives import Directive, Order, Place, Replicate, Shard, ShardTensor, Split
+from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.filters import select
+from piper_jax.ir.graph import NodeKind
+from piper_jax.ir.mesh import derive_mesh
+from piper_jax.ir.model import ModelSpec
+from piper_jax.ir.passes import (apply_order, insert_collectives, insert_send_recv, place_nodes,
+                                 split_microbatches)
+from piper_jax.ir.plan import Plan
+
+__all__ = ["make_plan"]
+
+
+def _filters(d: Directive):
+  if isinstance(d, Order):
+    return [f for g in d.groups for f in g]
+  return [d.filter]
+
+
+def _check_filters(model: ModelSpec, directives: Sequence[Directive], n_mb: int) -> None:
+  known = model.tags() | {"MB", "PASS"}
+  for i, d in enumerate(directives):
+    for f in _filters(d):
+      for tag, value in f:
+        if tag not in known:
+          raise DirectiveError(
+              f"unknown tag {tag!r} in filter {dict(f)}; this model's tags are "
+              f"{sorted(known)} (annotate regions with pj.annotate({tag!r}) to add it)", i, d)
+        if tag == "MB" and value != "*" and value >= n_mb:
+          raise DirectiveError(f"filter {dict(f)} names microbatch {value} but the batch is split "
+                               f"into {n_mb}", i, d)
+
+
+def _num_microbatches(model: ModelSpec, directives: Sequence[Directive]) -> int:
+  n_mb, first = 1, None
+  for i, d in enumerate(directives):
+    if not isinstance(d, Split):
+      continue
+    if d.filter and len({r.index for r in model.regions}) > 1:
+      covered = {r.index for r in model.regions
+                 if all(v == "*" or dict(r.tags).get(t) == v for t, v in d.filter if t != "MB")}
+      if covered != {r.index for r in model.regions}:
+        raise DirectiveError("splits only some regions; split the whole model (filter {}) so "
+                             "every region sees the same microbatches", i, d)
+    if first is not None and d.num_microbatches != n_mb:
+      raise DirectiveError(f"splits into {d.num_microbatches} microbatches but directive "
+                           f"{first} split into {n_mb}; use one split", i, d)
+    n_mb, first = d.num_microbatches, i
+  return n_mb
+
+
+def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
+              global_batch: int | None = None) -> Plan:
+  """Builds the global DAG of `model`, rewrites it with `directives` and orders it per device.
+
+  Pass order: split, place/replicate, mesh check, send/recv, collectives, order.
+  Raises `DirectiveError` (naming the directive) or `PlanError` for bad input.
+  """
+  directives = list(directives)
+  for i, d in enumerate(directives):
+    if not isinstance(d, Directive):
+      raise TypeError(f"directive {i} is {d!r}, not a piper_jax directive (pj.place, ...)")
+    if isinstance(d, (Shard, ShardTensor)):
+      raise DirectiveError(f"{d.op} is not supported by this version yet; use place/replicate",
+                           i, d)
+  n_mb = _num_microbatches(model, directives)
+  _check_filters(model, directives, n_mb)
+  graph = split_microbatches(build_graph(model), n_mb)
+  for i, d in enumerate(directives):
+    if not isinstance(d, Split):
+      for f in _filters(d):
+        if not select(graph, f, kinds=(NodeKind.COMPUTE, NodeKind.UPDATE)):
+          raise DirectiveError(f"filter {dict(f)} matches no node of this model", i, d)
+  graph, placed_by = place_nodes(
+      graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, (Place, Replicate))],
+      n_devices)
+  mesh = derive_mesh(graph, placed_by, directives)
+  batch = model.batch_size if global_batch is None else global_batch
+  if batch % (mesh.n_dp * n_mb):
+    idx = next((i for i, d in enumerate(directives) if isinstance(d, Split)), None)
+    msg = (f"the batch of {batch} does not divide into {mesh.n_dp} data-parallel replicas x "
+           f"{n_mb} microbatches; pick a batch size divisible by {mesh.n_dp * n_mb}")
+    raise DirectiveError(msg, idx, directives[idx] if idx is not None else None)
+  graph = insert_send_recv(graph)
+  graph = insert_collectives(graph, model, mesh)
+  graph = apply_order(graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)])
+  return Plan(graph, model, mesh, n_mb)

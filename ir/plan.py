@@ -1,0 +1,198 @@
+"""Per-device ordered plans, cut into ticks, from a directive-rewritten DAG."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+from typing import Mapping, Sequence
+
+from piper_jax.ir.graph import Graph, Node, NodeKind, Pass
+from piper_jax.ir.mesh import MeshSpec
+from piper_jax.ir.model import ModelSpec
+
+__all__ = ["Task", "Plan", "schedule_ticks"]
+
+_PASS_RANK = {Pass.F: 0, Pass.B: 1, Pass.BI: 1, Pass.BW: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A compute node as the lowering runs it: on `rank`, in `tick`."""
+
+  node: str
+  region: int
+  pass_: Pass
+  mb: int
+  rank: int
+  tick: int
+  cost: float
+
+  @property
+  def label(self) -> str:
+    return f"r{self.region}{self.pass_.value}{self.mb}"
+
+
+def _compute_order(graph: Graph) -> list[Node]:
+  """A topological order of all nodes; ready compute nodes go F before B, then by microbatch."""
+  indeg = {i: len(graph.pred[i]) for i in graph.nodes}
+  pos = {i: k for k, i in enumerate(graph.nodes)}
+
+  def key(n: Node):
+    if n.kind is not NodeKind.COMPUTE:
+      return (-1, 0, 0, pos[n.id])
+    return (_PASS_RANK[n.pass_], n.mb or 0, n.region, pos[n.id])
+
+  heap = [(key(graph.nodes[i]), i) for i, d in indeg.items() if d == 0]
+  heapq.heapify(heap)
+  out = []
+  while heap:
+    _, i = heapq.heappop(heap)
+    out.append(graph.nodes[i])
+    for e in graph.succ[i]:
+      indeg[e.dst] -= 1
+      if indeg[e.dst] == 0:
+        heapq.heappush(heap, (key(graph.nodes[e.dst]), e.dst))
+  return [n for n in out if n.kind is NodeKind.COMPUTE]
+
+
+def _compute_preds(graph: Graph, node: str) -> set[str]:
+  """The compute nodes `node` depends on directly, looking through communication nodes."""
+  out, stack, seen = set(), [e.src for e in graph.pred[node]], set()
+  while stack:
+    i = stack.pop()
+    if i in seen:
+      continue
+    seen.add(i)
+    if graph.nodes[i].kind is NodeKind.COMPUTE:
+      out.add(i)
+    elif graph.nodes[i].kind in (NodeKind.SEND, NodeKind.RECV):
+      stack += [e.src for e in graph.pred[i]]
+  return out
+
+
+def schedule_ticks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: Mapping[str, int],
+                   cost: Mapping[str, float], budget: float) -> dict[str, int]:
+  """Assigns each compute node a tick.
+
+  A node runs in the tick of a same-rank producer or later, and at least one tick
+  after a producer on another rank (messages move between ticks). A rank's tick
+  takes nodes while their cost fits `budget`; ticks never go back along a rank.
+  """
+  tick_of: dict[str, int] = {}
+  cur: dict[int, int] = {}
+  load: dict[tuple[int, int], float] = {}
+  for n in order:
+    r = rank[n.id]
+    t = cur.get(r, 0)
+    for p in preds[n.id]:
+      t = max(t, tick_of[p] + (rank[p] != r))
+    if t == cur.get(r, 0) and load.get((r, t), 0) > 0 and load[(r, t)] + cost[n.id] > budget:
+      t += 1
+    tick_of[n.id] = t
+    load[(r, t)] = load.get((r, t), 0) + cost[n.id]
+    cur[r] = t
+  return tick_of
+
+
+def _makespan(tick_of, rank, cost) -> float:
+  load: dict[tuple[int, int], float] = {}
+  for i, t in tick_of.items():
+    load[(rank[i], t)] = load.get((rank[i], t), 0) + cost[i]
+  ticks: dict[int, float] = {}
+  for (r, t), c in load.items():
+    ticks[t] = max(ticks.get(t, 0), c)
+  return sum(ticks.values())
+
+
+class Plan:
+  """The DAG after directives, its mesh, and each pipeline rank's ordered, ticked tasks.
+
+  `ticks[t][rank]` lists the tasks rank `rank` runs in tick `t`, in order.
+  """
+
+  def __init__(self, graph: Graph, model: ModelSpec, mesh: MeshSpec, n_microbatches: int,
+               pass_costs: Mapping[str, float] | None = None):
+    self.graph, self.model, self.mesh = graph, model, mesh
+    self.n_microbatches = n_microbatches
+    pass_costs = dict(pass_costs or {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0})
+    order = _compute_order(graph)
+    rank = {n.id: mesh.region_rank[n.region] for n in order}
+    flops = {r.index: r.flops for r in model.regions}
+    scale = max(flops.values()) if flops and max(flops.values()) > 0 else 0
+    cost = {n.id: pass_costs[n.pass_.value] * (max(flops[n.region] / scale, 0.05) if scale else 1)
+            for n in order}
+    preds = {n.id: _compute_preds(graph, n.id) for n in order}
+    candidates = sorted({max(cost.values())} | {
+        cost[a.id] + cost[b.id] for a in order for b in order
+        if a.region == b.region and a.mb == b.mb and a.pass_ is Pass.F and b.pass_ is not Pass.F})
+    if mesh.n_pp == 1:  # no messages between ranks: one tick holds everything
+      candidates = [float("inf")]
+    best = None
+    for budget in candidates:
+      tick_of = schedule_ticks(order, preds, rank, cost, budget)
+      span = _makespan(tick_of, rank, cost)
+      if best is None or span < best[0] - 1e-9:
+        best = (span, tick_of)
+    tick_of = best[1]
+    self.order = order
+    self.preds = preds
+    self.tasks = {n.id: Task(n.id, n.region, n.pass_, n.mb, rank[n.id], tick_of[n.id], cost[n.id])
+                  for n in order}
+    n_ticks = 1 + max(tick_of.values()) if tick_of else 0
+    self.ticks: list[list[list[Task]]] = [[[] for _ in range(mesh.n_pp)] for _ in range(n_ticks)]
+    for n in order:
+      t = self.tasks[n.id]
+      self.ticks[t.tick][t.rank].append(t)
+
+  @property
+  def n_ranks(self) -> int:
+    return self.mesh.n_pp
+
+  def rank_regions(self, rank: int) -> list[int]:
+    return [r for r, k in sorted(self.mesh.region_rank.items()) if k == rank]
+
+  def table(self) -> str:
+    """A rank x tick grid of task labels ('r1F3' = region 1, forward, microbatch 3)."""
+    rows = []
+    head = ["rank (devices)"] + [f"t{t}" for t in range(len(self.ticks))]
+    for r in range(self.n_ranks):
+      cells = [f"{r} {list(self.mesh.groups[r])}"]
+      for tick in self.ticks:
+        cells.append(" ".join(t.label for t in tick[r]) or ".")
+      rows.append(cells)
+    widths = [max(len(row[c]) for row in [head] + rows) for c in range(len(head))]
+    fmt = lambda row: " | ".join(x.ljust(w) for x, w in zip(row, widths))
+    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+
+  def __str__(self) -> str:
+    comm = {}
+    for n in self.graph.nodes.values():
+      if n.kind not in (NodeKind.COMPUTE, NodeKind.UPDATE):
+        comm[n.kind.value] = comm.get(n.kind.value, 0) + 1
+    regions = ", ".join(f"{r.index}:{r.name}->rank {self.mesh.region_rank[r.index]}"
+                        for r in self.model.regions)
+    lines = [
+        f"Plan: {len(self.model.regions)} regions, {self.n_microbatches} microbatches, "
+        f"mesh dp={self.mesh.n_dp} x pp={self.mesh.n_pp}, zero={self.mesh.zero}",
+        f"regions: {regions}",
+        "communication nodes: " + (", ".join(f"{k} x{v}" for k, v in sorted(comm.items())) or "none"),
+        self.table(),
+    ]
+    return "\n".join(lines)
+
+  __repr__ = __str__
+
+  def to_json(self) -> dict:
+    return {
+        "mesh": {"groups": [list(g) for g in self.mesh.groups], "zero": self.mesh.zero},
+        "n_microbatches": self.n_microbatches,
+        "ticks": [[[t.label for t in ts] for ts in tick] for tick in self.ticks],
+        "graph": self.graph.to_json(),
+    }
+
+  def to_json_str(self) -> str:
+    return json.dumps(self.to_json(), indent=1)
+
+  def to_dot(self) -> str:
+    return self.graph.to_dot()

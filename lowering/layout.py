@@ -1,0 +1,160 @@
+"""Packs parameter leaves into flat per-rank buffers sharded over ("pp", "dp")."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from piper_jax.ir.model import ModelSpec
+from piper_jax.ir.plan import Plan
+
+__all__ = ["ParamLayout", "Home"]
+
+SHARED = -1  # the slot index of the buffer every rank holds (tied or unused parameters)
+
+
+@dataclasses.dataclass(frozen=True)
+class Home:
+  """Where a parameter leaf lives: a slot of a rank (or SHARED), an offset in its segment."""
+
+  rank: int | None
+  slot: int
+  dtype: str
+  offset: int
+  size: int
+  shape: tuple[int, ...]
+
+
+class ParamLayout:
+  """Parameter leaves packed per (pipeline rank, slot, dtype), in dp-sized chunks.
+
+  Slot j of rank i holds the leaves of the j-th region placed on rank i (leaves
+  read on several ranks go to the SHARED segment that every rank holds). A
+  segment is padded to `n_dp * chunk` and stored as `n_dp` chunks, so that ZeRO-3
+  shards it by keeping one chunk per replica. Buffers per dtype:
+  `slots[dtype]`: [n_pp, n_dp, L] and `shared[dtype]`: [n_dp, C_shared].
+  """
+
+  def __init__(self, model: ModelSpec, plan: Plan):
+    mesh = plan.mesh
+    self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_dp, mesh.zero
+    self.params = model.params
+    self.slot_of_region: dict[int, int] = {}
+    for rank in range(self.n_pp):
+      for j, r in enumerate(plan.rank_regions(rank)):
+        self.slot_of_region[r] = j
+    self.n_slots = max((j + 1 for j in self.slot_of_region.values()), default=1)
+    users = model.param_users()
+    fill: dict[tuple[int | None, int, str], int] = {}
+    self.home: list[Home] = []
+    for p, spec in enumerate(model.params):
+      ranks = {mesh.region_rank[u] for u in users[p]}
+      if len(ranks) == 1:
+        rank, slot = ranks.pop(), self.slot_of_region[users[p][0]]
+      else:
+        rank, slot = None, SHARED
+      key = (rank, slot, spec.dtype)
+      off = fill.get(key, 0)
+      fill[key] = off + spec.size
+      self.home.append(Home(rank, slot, spec.dtype, off, spec.size, spec.shape))
+    self.dtypes = sorted({s.dtype for s in model.params})
+    # Chunk size of a (slot, dtype) segment: the largest over ranks, split n_dp ways.
+    self.chunk: dict[tuple[int, str], int] = {}
+    for (rank, slot, dt), n in fill.items():
+      c = math.ceil(n / self.n_dp)
+      self.chunk[(slot, dt)] = max(self.chunk.get((slot, dt), 0), c)
+    self.slot_offset: dict[tuple[int, str], int] = {}
+    self.width: dict[str, int] = {}
+    for dt in self.dtypes:
+      off = 0
+      for j in range(self.n_slots):
+        self.slot_offset[(j, dt)] = off
+        off += self.chunk.get((j, dt), 0)
+      self.width[dt] = max(off, 1)
+    self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
+
+  # -- shapes and shardings -------------------------------------------------
+
+  def segment_size(self, slot: int, dtype: str) -> int:
+    if slot == SHARED:
+      return self.n_dp * self.shared_chunk[dtype]
+    return self.n_dp * self.chunk.get((slot, dtype), 0)
+
+  def shapes(self) -> dict:
+    return {
+        "slots": {dt: jax.ShapeDtypeStruct((self.n_pp, self.n_dp, self.width[dt]), jnp.dtype(dt))
+                  for dt in self.dtypes},
+        "shared": {dt: jax.ShapeDtypeStruct((self.n_dp, self.shared_chunk[dt]), jnp.dtype(dt))
+                   for dt in self.dtypes},
+    }
+
+  def specs(self, sharded: bool) -> dict:
+    """PartitionSpecs of the buffers: chunks sharded over "dp" when `sharded` (ZeRO)."""
+    dp = "dp" if sharded else None
+    return {"slots": {dt: P("pp", dp, None) for dt in self.dtypes},
+            "shared": {dt: P(dp, None) for dt in self.dtypes}}
+
+  def shardings(self, mesh, sharded: bool) -> dict:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), self.specs(sharded),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+  # -- packing --------------------------------------------------------------
+
+  def _segment(self, leaves: Sequence[jax.Array], rank: int | None, slot: int, dt: str):
+    parts = [(h.offset, jnp.ravel(x)) for x, h in zip(leaves, self.home)
+             if h.rank == rank and h.slot == slot and h.dtype == dt]
+    parts.sort(key=lambda t: t[0])
+    flat = jnp.concatenate([x for _, x in parts]) if parts else jnp.zeros((0,), jnp.dtype(dt))
+    n = self.segment_size(slot, dt)
+    return jnp.pad(flat, (0, n - flat.shape[0])).reshape(self.n_dp, n // self.n_dp)
+
+  def pack(self, leaves: Sequence[jax.Array]) -> dict:
+    """Parameter leaves (in pytree order) -> the buffers of `shapes()`."""
+    leaves = [jnp.asarray(x) for x in leaves]
+    slots, shared = {}, {}
+    for dt in self.dtypes:
+      ranks = []
+      for rank in range(self.n_pp):
+        cols = [self._segment(leaves, rank, j, dt) for j in range(self.n_slots)
+                if self.chunk.get((j, dt), 0)]
+        row = jnp.concatenate(cols, axis=1) if cols else jnp.zeros((self.n_dp, 0), jnp.dtype(dt))
+        ranks.append(jnp.pad(row, ((0, 0), (0, self.width[dt] - row.shape[1]))))
+      slots[dt] = jnp.stack(ranks)
+      shared[dt] = self._segment(leaves, None, SHARED, dt)
+    return {"slots": slots, "shared": shared}
+
+  def unpack(self, buffers: dict) -> list[jax.Array]:
+    """The buffers of `pack` -> parameter leaves in pytree order."""
+    out = []
+    for h in self.home:
+      if h.slot == SHARED:
+        seg = buffers["shared"][h.dtype].reshape(-1)
+      else:
+        off, c = self.slot_offset[(h.slot, h.dtype)], self.chunk[(h.slot, h.dtype)]
+        seg = buffers["slots"][h.dtype][h.rank, :, off:off + c].reshape(-1)
+      out.append(seg[h.offset:h.offset + h.size].reshape(h.shape))
+    return out
+
+  # -- inside shard_map -----------------------------------------------------
+
+  def local_segment(self, local: dict, slot: int, dt: str) -> jax.Array:
+    """A whole (slot, dtype) segment from unsharded local buffers (ZeRO 0-2)."""
+    if slot == SHARED:
+      return local["shared"][dt].reshape(-1)
+    off, c = self.slot_offset[(slot, dt)], self.chunk[(slot, dt)]
+    return local["slots"][dt][0, :, off:off + c].reshape(-1)
+
+  def local_chunk(self, local: dict, slot: int, dt: str) -> jax.Array:
+    """This replica's chunk of a (slot, dtype) segment from ZeRO-3 local buffers."""
+    if slot == SHARED:
+      return local["shared"][dt].reshape(-1)
+    off, c = self.slot_offset[(slot, dt)], self.chunk[(slot, dt)]
+    return local["slots"][dt][0, 0, off:off + c]
+
+  def leaf(self, segment: jax.Array, h: Home) -> jax.Array:
+    return segment[h.offset:h.offset + h.size].reshape(h.shape)

@@ -1,0 +1,124 @@
+"""Forward-with-residuals and backward-from-residuals functions of one region.
+
+F keeps jax.vjp's residuals as explicit arrays so that B, running later (in
+another tick), can use them without recomputing the forward. Residuals that
+are just an input or an output of the region are not stored again: they are
+marked as aliases and read from where the input or output already lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from piper_jax.lowering.trace import TracedLoss
+
+__all__ = ["RegionAD", "analyze_region"]
+
+
+@dataclasses.dataclass
+class RegionAD:
+  """What F stores for B. `alias[k]` is ("param"|"batch"|"act"|"out", index) or None."""
+
+  region: int
+  diff_params: list[int]    # positions (in the region's params) that get gradients
+  diff_acts: list[int]      # positions (in the region's inputs) that get cotangents
+  float_outs: list[int]     # outputs that receive cotangents
+  other_outs: list[int]
+  res_avals: list[Any]
+  alias: list[tuple[str, int] | None]
+  res_tree: Any
+
+  @property
+  def stored(self) -> list[int]:
+    """Residuals F must keep (not aliases)."""
+    return [k for k, a in enumerate(self.alias) if a is None]
+
+
+def _fwd(traced: TracedLoss, r: int, ad: RegionAD | None, diff_params, diff_acts, float_outs,
+         params, batch, acts):
+  def f(dp, da):
+    p, a = list(params), list(acts)
+    for k, i in enumerate(diff_params):
+      p[i] = dp[k]
+    for k, i in enumerate(diff_acts):
+      a[i] = da[k]
+    outs = traced.run_region(r, p, batch, a)
+    return ([outs[k] for k in float_outs],
+            [outs[k] for k in range(len(outs)) if k not in float_outs])
+
+  dp = [params[i] for i in diff_params]
+  da = [acts[i] for i in diff_acts]
+  fl, vjp_fn, other = jax.vjp(f, dp, da, has_aux=True)
+  res, tree = jax.tree_util.tree_flatten(vjp_fn)
+  return fl, other, res, tree
+
+
+def analyze_region(traced: TracedLoss, r: int) -> RegionAD:
+  """Traces region `r`'s vjp once, abstractly, to learn its residuals and their aliases."""
+  spec = traced.spec.regions[r]
+  model = traced.spec
+  p_avals = [jax.ShapeDtypeStruct(model.params[i].shape, jnp.dtype(model.params[i].dtype))
+             for i in spec.params]
+  b_avals = [jax.ShapeDtypeStruct(model.batch[i].shape, jnp.dtype(model.batch[i].dtype))
+             for i in spec.batch]
+  a_avals = [jax.ShapeDtypeStruct(x.spec.shape, jnp.dtype(x.spec.dtype)) for x in spec.inputs]
+  is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
+  diff_params = [i for i, a in enumerate(p_avals) if is_float(a)]
+  diff_acts = [i for i, x in enumerate(spec.inputs) if x.differentiable]
+  float_outs = [k for k, o in enumerate(spec.outputs) if jnp.issubdtype(jnp.dtype(o.dtype), jnp.inexact)]
+  other_outs = [k for k in range(len(spec.outputs)) if k not in float_outs]
+  box = {}
+
+  def probe(params, batch, acts):
+    fl, other, res, tree = _fwd(traced, r, None, diff_params, diff_acts, float_outs,
+                                params, batch, acts)
+    box["tree"] = tree
+    return fl, other, res
+
+  closed = jax.make_jaxpr(probe)(p_avals, b_avals, a_avals)
+  jaxpr = closed.jaxpr
+  n_p, n_b = len(p_avals), len(b_avals)
+  invar_pos = {}
+  for k, v in enumerate(jaxpr.invars):
+    kind = "param" if k < n_p else "batch" if k < n_p + n_b else "act"
+    invar_pos.setdefault(v, (kind, k if k < n_p else k - n_p if k < n_p + n_b else k - n_p - n_b))
+  n_out = len(float_outs) + len(other_outs)
+  out_order = float_outs + other_outs
+  out_pos = {}
+  for k, v in enumerate(jaxpr.outvars[:n_out]):
+    out_pos.setdefault(v, ("out", out_order[k]))
+  alias, res_avals = [], []
+  for v in jaxpr.outvars[n_out:]:
+    res_avals.append(v.aval)
+    hashable = not hasattr(v, "val")
+    alias.append((invar_pos.get(v) or out_pos.get(v)) if hashable else None)
+  return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, res_avals, alias, box["tree"])
+
+
+def region_forward(traced: TracedLoss, ad: RegionAD, params, batch, acts):
+  """Runs F: returns (outputs in spec order, stored residuals)."""
+  fl, other, res, _ = _fwd(traced, ad.region, ad, ad.diff_params, ad.diff_acts, ad.float_outs,
+                           params, batch, acts)
+  outs = [None] * (len(fl) + len(other))
+  for k, x in zip(ad.float_outs, fl):
+    outs[k] = x
+  for k, x in zip(ad.other_outs, other):
+    outs[k] = x
+  if len(res) != len(ad.alias):
+    raise RuntimeError(f"region {ad.region}: residuals changed between traces")
+  return outs, [res[k] for k in ad.stored]
+
+
+def region_backward(ad: RegionAD, stored, params, batch, acts, outs, out_cts):
+  """Runs B: cotangents of the float outputs -> (param grads, activation cotangents)."""
+  res, it = [], iter(stored)
+  src = {"param": params, "batch": batch, "act": acts, "out": outs}
+  for a in ad.alias:
+    res.append(next(it) if a is None else src[a[0]][a[1]])
+  vjp_fn = jax.tree_util.tree_unflatten(ad.res_tree, res)
+  d_params, d_acts = vjp_fn(list(out_cts))
+  return d_params, d_acts

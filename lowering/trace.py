@@ -1,0 +1,188 @@
+"""Traces a loss function to a jaxpr and cuts it into annotated regions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from piper_jax.annotate import parse_scope, reset_counters
+from piper_jax.ir.graph import TensorSpec
+from piper_jax.ir.model import ActivationRef, ModelSpec, RegionSpec
+from piper_jax.ir.errors import PlanError
+from piper_jax.lowering.compat import Literal, Var, eval_eqns, name_stack
+
+__all__ = ["TracedLoss", "trace_loss", "path_name"]
+
+
+def path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _spec(name: str, aval) -> TensorSpec:
+  return TensorSpec(name, tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
+
+
+def _is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _eqn_flops(eqn) -> float:
+  """Matmul FLOPs of an equation (2*M*N*K per dot_general), recursing into sub-jaxprs."""
+  if eqn.primitive.name == "dot_general":
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    k = 1
+    for d in lc:
+      k *= eqn.invars[0].aval.shape[d]
+    return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * k
+  total = 0.0
+  for p in eqn.params.values():
+    sub = getattr(p, "jaxpr", p)
+    if hasattr(sub, "eqns"):
+      total += sum(_eqn_flops(e) for e in sub.eqns)
+  return total
+
+
+@dataclasses.dataclass
+class _Region:
+  eqns: list
+  tags: tuple
+  param_vars: list = dataclasses.field(default_factory=list)
+  batch_vars: list = dataclasses.field(default_factory=list)
+  act_vars: list = dataclasses.field(default_factory=list)
+  out_vars: list = dataclasses.field(default_factory=list)
+
+
+class TracedLoss:
+  """A loss jaxpr cut into regions, with a function that runs one region.
+
+  `spec` is the abstract `ModelSpec` the IR plans with; `run_region` evaluates
+  region `r` on (params, batch leaves, activations) in the order of its spec.
+  """
+
+  def __init__(self, loss_fn: Callable, params: Any, batch: Any):
+    self.param_leaves, self.param_tree = jax.tree_util.tree_flatten_with_path(params)
+    self.param_tree = jax.tree_util.tree_structure(params)
+    batch_leaves, self.batch_tree = jax.tree_util.tree_flatten_with_path(batch)
+    self.batch_tree = jax.tree_util.tree_structure(batch)
+    p_names = [path_name(p) for p, _ in self.param_leaves]
+    b_names = [path_name(p) for p, _ in batch_leaves]
+    p_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in self.param_leaves]
+    b_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in batch_leaves]
+    if not b_avals or any(len(a.shape) == 0 for a in b_avals):
+      raise ValueError("the batch must be a pytree of arrays with a leading batch axis")
+    batch_size = b_avals[0].shape[0]
+    if any(a.shape[0] != batch_size for a in b_avals):
+      raise ValueError(f"batch leaves disagree on the batch size: {[a.shape for a in b_avals]}")
+    n_p = len(p_avals)
+    param_tree, batch_tree = self.param_tree, self.batch_tree
+
+    def flat_loss(*leaves):
+      p = jax.tree_util.tree_unflatten(param_tree, leaves[:n_p])
+      b = jax.tree_util.tree_unflatten(batch_tree, leaves[n_p:])
+      return loss_fn(p, b)
+
+    reset_counters()
+    closed = jax.make_jaxpr(flat_loss)(*p_avals, *b_avals)
+    jaxpr = closed.jaxpr
+    if len(jaxpr.outvars) != 1 or jaxpr.outvars[0].aval.shape != ():
+      raise ValueError("loss_fn(params, batch) must return one scalar (the mean loss)")
+    self.consts = dict(zip(jaxpr.constvars, closed.consts))
+    self.param_vars = list(jaxpr.invars[:n_p])
+    self.batch_vars = list(jaxpr.invars[n_p:])
+    self.loss_var = jaxpr.outvars[0]
+    self.regions = self._cut(jaxpr)
+    self.spec = self._spec(p_names, p_avals, b_names, b_avals, batch_size)
+
+  def _cut(self, jaxpr) -> list[_Region]:
+    keys = [parse_scope(name_stack(e)) for e in jaxpr.eqns]
+    # Unannotated equations join the region before them (the first region if none).
+    first = next((k for k in keys if k), ())
+    filled, prev = [], first
+    for k in keys:
+      prev = k or prev
+      filled.append(prev)
+    regions: list[_Region] = []
+    for eqn, key in zip(jaxpr.eqns, filled):
+      if not regions or regions[-1].tags != key:
+        regions.append(_Region([], key))
+      regions[-1].eqns.append(eqn)
+    if not regions:
+      raise ValueError("loss_fn has no computation to distribute")
+    defined_in = {}
+    for i, r in enumerate(regions):
+      for e in r.eqns:
+        for v in e.outvars:
+          defined_in[v] = i
+    param_set = {v: i for i, v in enumerate(self.param_vars)}
+    batch_set = {v: i for i, v in enumerate(self.batch_vars)}
+    needed_later: dict[Var, set] = {}
+    for i, r in enumerate(regions):
+      seen = set()
+      for e in r.eqns:
+        for v in e.invars:
+          if isinstance(v, Literal) or v in seen or v in self.consts:
+            continue
+          if v in param_set:
+            r.param_vars.append(v)
+          elif v in batch_set:
+            r.batch_vars.append(v)
+          elif defined_in.get(v, i) != i:
+            r.act_vars.append(v)
+            needed_later.setdefault(v, set()).add(i)
+          seen.add(v)
+        seen.update(e.outvars)
+    if isinstance(self.loss_var, Literal) or self.loss_var not in defined_in:
+      raise ValueError("the loss does not depend on any computation of the model")
+    needed_later.setdefault(self.loss_var, set()).add(-1)
+    for i, r in enumerate(regions):
+      r.out_vars = [v for e in r.eqns for v in e.outvars if v in needed_later]
+    self.loss_region = defined_in[self.loss_var]
+    self.defined_in = defined_in
+    return regions
+
+  def _spec(self, p_names, p_avals, b_names, b_avals, batch_size) -> ModelSpec:
+    param_idx = {v: i for i, v in enumerate(self.param_vars)}
+    batch_idx = {v: i for i, v in enumerate(self.batch_vars)}
+    specs = []
+    for i, r in enumerate(self.regions):
+      inputs = []
+      for v in r.act_vars:
+        src = self.defined_in[v]
+        k = self.regions[src].out_vars.index(v)
+        inputs.append(ActivationRef(src, k, _spec(f"r{src}.out{k}", v.aval), _is_float(v.aval)))
+      outs = tuple(_spec(f"r{i}.out{k}", v.aval) for k, v in enumerate(r.out_vars))
+      specs.append(RegionSpec(
+          index=i, tags=r.tags, params=tuple(param_idx[v] for v in r.param_vars),
+          batch=tuple(batch_idx[v] for v in r.batch_vars), inputs=tuple(inputs), outputs=outs,
+          produces_loss=(i == self.loss_region), flops=sum(_eqn_flops(e) for e in r.eqns)))
+    return ModelSpec(
+        regions=tuple(specs),
+        params=tuple(_spec(n, a) for n, a in zip(p_names, p_avals)),
+        batch=tuple(_spec(n, a) for n, a in zip(b_names, b_avals)),
+        batch_size=batch_size)
+
+  def run_region(self, r: int, params: list, batch: list, acts: list) -> list:
+    """Runs region `r`: inputs in the order of its spec; returns its outputs (loss included)."""
+    reg = self.regions[r]
+    env = dict(self.consts)
+    env.update(zip(reg.param_vars, params))
+    env.update(zip(reg.batch_vars, batch))
+    env.update(zip(reg.act_vars, acts))
+    eval_eqns(reg.eqns, env)
+    return [env[v] for v in reg.out_vars]
+
+  def loss_output(self) -> int:
+    """Which output of the loss region is the loss."""
+    return self.regions[self.loss_region].out_vars.index(self.loss_var)
+
+
+def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
+  """Traces `loss_fn(params, batch)` and cuts it into `pj.annotate` regions."""
+  try:
+    return TracedLoss(loss_fn, params, batch)
+  except PlanError:
+    raise

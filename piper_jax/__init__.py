@@ -1,0 +1,37 @@
+"""piper-jax: a programmable distributed-training compiler for JAX."""
+
+from piper_jax import schedules, strategies
+from piper_jax.annotate import annotate
+from piper_jax.compile import TrainState, TrainStep, compile
+from piper_jax.ir.directives import (Directive, Order, Place, Replicate, Shard, ShardTensor, Split,
+                                     dump_directives, load_directives, order, place, replicate,
+                                     shard, shard_tensor, split)
+from piper_jax.ir.errors import DirectiveError, PlanError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "annotate",
+    "compile",
+    "TrainStep",
+    "TrainState",
+    "place",
+    "replicate",
+    "shard",
+    "shard_tensor",
+    "split",
+    "order",
+    "load_directives",
+    "dump_directives",
+    "Directive",
+    "Place",
+    "Replicate",
+    "Shard",
+    "ShardTensor",
+    "Split",
+    "Order",
+    "DirectiveError",
+    "PlanError",
+    "schedules",
+    "strategies",
+]

@@ -1,0 +1,155 @@
+"""`compile`: loss + optimizer + directives -> a jitted, partitioned `TrainStep`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from piper_jax.ir.directives import Directive, load_directives
+from piper_jax.ir.pipeline import make_plan
+from piper_jax.ir.plan import Plan
+from piper_jax.lowering import compat
+from piper_jax.lowering.layout import ParamLayout
+from piper_jax.lowering.program import Program
+from piper_jax.lowering.trace import trace_loss
+
+__all__ = ["TrainState", "TrainStep", "compile"]
+
+
+class TrainState(NamedTuple):
+  """Packed, partitioned parameters and the optimizer state over them."""
+
+  params: dict
+  opt_state: Any
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+  try:
+    return compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  except TypeError:  # older jax
+    return compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+class TrainStep:
+  """A compiled training step. `init(params) -> state`, `step(state, batch) -> (state, loss)`."""
+
+  def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
+               directives: Sequence[Directive] | str, params: Any, example_batch: Any,
+               devices: Sequence[jax.Device] | None = None):
+    self.devices = list(jax.devices() if devices is None else devices)
+    self.directives = load_directives(directives)
+    self.optimizer = optimizer
+    traced = trace_loss(loss_fn, params, example_batch)
+    plan = make_plan(traced.spec, self.directives, len(self.devices))
+    batch_size = traced.spec.batch_size
+    mbs = batch_size // (plan.mesh.n_dp * plan.n_microbatches)
+    if mbs != batch_size:
+      mb_batch = jax.tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct((mbs,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
+          example_batch)
+      full = traced
+      traced = trace_loss(loss_fn, params, mb_batch)
+      if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
+        raise ValueError("the model's regions depend on the batch size; annotate regions the "
+                         "same way for every batch size")
+      plan = make_plan(traced.spec, self.directives, len(self.devices), global_batch=batch_size)
+    self.plan: Plan = plan
+    self.batch_size = batch_size
+    self._traced = traced
+    self._layout = layout = ParamLayout(traced.spec, plan)
+    self._program = Program(traced, plan, layout)
+    grid = np.array([[self.devices[d] for d in row] for row in plan.mesh.device_grid()])
+    self.mesh = Mesh(grid, ("dp", "pp"))
+    zero = plan.mesh.zero
+    param_specs = layout.specs(sharded=zero >= 3)
+    grad_specs = layout.specs(sharded=zero >= 1)
+    n_batch = len(traced.spec.batch)
+    body = _shard_map(self._program.body, self.mesh,
+                      in_specs=(param_specs, [P("dp")] * n_batch),
+                      out_specs=(grad_specs, P()))
+    to_sharding = lambda specs: jax.tree_util.tree_map(
+        lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    self._param_shardings = to_sharding(param_specs)
+    shapes = layout.shapes()
+    opt_shapes = jax.eval_shape(optimizer.init, shapes)
+    big = {(s.shape, "slots") for s in shapes["slots"].values()} | {
+        (s.shape, "shared") for s in shapes["shared"].values()}
+    opt_spec_of = {}
+    for s in shapes["slots"].values():
+      opt_spec_of[s.shape] = P("pp", "dp" if zero >= 1 else None, None)
+    for s in shapes["shared"].values():
+      opt_spec_of.setdefault(s.shape, P("dp" if zero >= 1 else None, None))
+    del big
+    opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
+    self._opt_shardings = to_sharding(opt_specs)
+    self._state_shardings = TrainState(self._param_shardings, self._opt_shardings)
+    self._batch_sharding = NamedSharding(self.mesh, P("dp"))
+    replicated = NamedSharding(self.mesh, P())
+
+    def step_fn(state: TrainState, batch: list):
+      grads, loss = body(state.params, batch)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
+
+    self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
+                         out_shardings=(self._state_shardings, replicated), donate_argnums=0)
+    self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
+    self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
+    self._unpack = jax.jit(layout.unpack)
+
+  # -- public API ---------------------------------------------------------------
+
+  def init(self, params: Any) -> TrainState:
+    """Packs `params` into partitioned buffers and initialises the optimizer over them."""
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    if tree != self._traced.param_tree:
+      raise ValueError(f"params have structure {tree}, but the step was compiled for "
+                       f"{self._traced.param_tree}")
+    buffers = self._pack(leaves)
+    return TrainState(buffers, self._opt_init(buffers))
+
+  def _batch_leaves(self, batch) -> list:
+    leaves, tree = jax.tree_util.tree_flatten(batch)
+    if tree != self._traced.batch_tree:
+      raise ValueError(f"batch has structure {tree}, but the step was compiled for "
+                       f"{self._traced.batch_tree}")
+    for x, spec in zip(leaves, self._traced.spec.batch):
+      want = (self.batch_size,) + spec.shape[1:]
+      if tuple(np.shape(x)) != want:
+        raise ValueError(f"batch leaf {spec.name!r} has shape {tuple(np.shape(x))}, the step "
+                         f"was compiled for {want}")
+    return leaves
+
+  def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
+    """One training step: returns the new state and the mean loss over the batch."""
+    return self._step(state, self._batch_leaves(batch))
+
+  def lower(self, state: TrainState, batch: Any):
+    """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""
+    return self._step.lower(state, self._batch_leaves(batch))
+
+  def params(self, state: TrainState) -> Any:
+    """The parameters as the user's original pytree, gathered."""
+    return jax.tree_util.tree_unflatten(self._traced.param_tree, self._unpack(state.params))
+
+
+def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
+            params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None) -> TrainStep:
+  """Compiles a training step of `loss_fn(params, batch)` under a directive list.
+
+  Args:
+    loss_fn: the mean loss over the batch's leading axis, with `pj.annotate` regions.
+    optimizer: an optax transformation (elementwise, optionally with global norms).
+    directives: a list of directives, Piper JSON dicts, or a path to a Piper JSON file.
+    params: the parameters (or their shapes) the step will train.
+    example_batch: a batch (or its shapes) with the global batch size.
+    devices: the devices directive indices refer to; default `jax.devices()`.
+
+  Returns:
+    A `TrainStep`.
+  """
+  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices)

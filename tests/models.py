@@ -1,0 +1,90 @@
+"""Small annotated models and the single-device reference the tests compare against."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import piper_jax as pj
+
+D_IN, D_HID, N_CLASSES = 8, 16, 5
+
+
+def init_mlp(rng, n_stages: int, tied: bool = False):
+  """Per stage a dense layer; an embedding of the inputs and a classifier head."""
+  ks = jax.random.split(rng, n_stages + 2)
+  params = {"embed": jax.random.normal(ks[0], (D_IN, D_HID)) * 0.3}
+  for s in range(n_stages):
+    params[f"stage{s}"] = {"w": jax.random.normal(ks[1 + s], (D_HID, D_HID)) * 0.3,
+                           "b": jnp.zeros((D_HID,)) + 0.01 * s}
+  if not tied:
+    params["head"] = jax.random.normal(ks[-1], (D_HID, N_CLASSES)) * 0.3
+  return params
+
+
+def mlp_loss(n_stages: int, tied: bool = False):
+  """Mean softmax cross-entropy of an MLP with one PP region per stage."""
+
+  def loss(params, batch):
+    x = jnp.tanh(batch["x"] @ params["embed"])
+    for s in range(n_stages):
+      with pj.annotate("PP"):
+        p = params[f"stage{s}"]
+        x = x + jnp.tanh(x @ p["w"] + p["b"])
+    head = params["embed"][:N_CLASSES].T if tied else params["head"]
+    logits = x @ head
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  return loss
+
+
+def random_batch(rng, batch_size: int):
+  kx, ky = jax.random.split(rng)
+  return {"x": jax.random.normal(kx, (batch_size, D_IN)),
+          "y": jax.random.randint(ky, (batch_size,), 0, N_CLASSES)}
+
+
+def optimizer():
+  return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def reference_run(loss_fn, params, batches, tx):
+  """k steps of plain jax.value_and_grad + optax on one device: (losses, params)."""
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  for b in batches:
+    params, opt_state, loss = step(params, opt_state, b)
+    losses.append(float(loss))
+  return losses, params
+
+
+def piper_run(loss_fn, params, batches, tx, directives, **kw):
+  step = pj.compile(loss_fn, tx, directives, params, batches[0], **kw)
+  state = step.init(params)
+  losses = []
+  for b in batches:
+    state, loss = step(state, b)
+    losses.append(float(loss))
+  return losses, step.params(state), step, state
+
+
+def assert_same_run(loss_fn, params, directives, n_steps=2, batch_size=16, seed=0, tx=None, **kw):
+  """Asserts k steps under `directives` match the single-device run (fp32, tight)."""
+  tx = tx or optimizer()
+  batches = [random_batch(jax.random.PRNGKey(seed * 100 + i), batch_size) for i in range(n_steps)]
+  ref_losses, ref_params = reference_run(loss_fn, params, batches, tx)
+  losses, got_params, step, state = piper_run(loss_fn, params, batches, tx, directives, **kw)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5),
+      got_params, ref_params)
+  return step, state
