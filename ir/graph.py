@@ -177,11 +177,11 @@ class Graph:
           continue
         d = nxt.dst
         if color[d] == 1:
-          cycle, cur = [d], node
+          path, cur = [node], node
           while cur != d:
-            cycle.append(cur)
             cur = parent[cur]
-          return cycle[::-1] + [d]
+            path.append(cur)
+          return path[::-1] + [d]
         if color[d] == 0:
           color[d] = 1
           parent[d] = node

@@ -76,14 +76,13 @@ class TrainStep:
     self._param_shardings = to_sharding(param_specs)
     shapes = layout.shapes()
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
-    big = {(s.shape, "slots") for s in shapes["slots"].values()} | {
-        (s.shape, "shared") for s in shapes["shared"].values()}
+    # Optimizer state leaves shaped like a parameter buffer are partitioned like
+    # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
     opt_spec_of = {}
     for s in shapes["slots"].values():
       opt_spec_of[s.shape] = P("pp", "dp" if zero >= 1 else None, None)
     for s in shapes["shared"].values():
       opt_spec_of.setdefault(s.shape, P("dp" if zero >= 1 else None, None))
-    del big
     opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
     self._opt_shardings = to_sharding(opt_specs)
     self._state_shardings = TrainState(self._param_shardings, self._opt_shardings)

@@ -12,3 +12,9 @@ try:
   jax.config.update("jax_num_cpu_devices", 8)
 except Exception:  # older jax: XLA_FLAGS above does it
   pass
+
+import sys  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)  # for `examples.gpt`

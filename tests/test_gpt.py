@@ -1,0 +1,44 @@
+"""The example GPT (Flax) trains to the same numbers under pipelines x ZeRO as on one device."""
+
+import jax
+import pytest
+
+import piper_jax as pj
+from examples import gpt
+from models import assert_same_run
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _gpt(n_stages, tied=False):
+  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2,
+                         n_stages=n_stages, tie_embeddings=tied)
+  model = gpt.GPT(config)
+  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
+
+
+def _batches(config):
+  return lambda rng, batch_size: gpt.random_batch(config, rng, batch_size, pattern_seed=1)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_gpt_1f1b_x_dp2(zero, monkeypatch):
+  config, loss, params = _gpt(2)
+  import models
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=zero), batch_size=8)
+
+
+def test_gpt_tied_embeddings_gpipe(monkeypatch):
+  config, loss, params = _gpt(2, tied=True)
+  import models
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 4, "gpipe"), batch_size=8)
+
+
+def test_train_gpt_example_runs():
+  from examples import train_gpt
+  out = train_gpt.main(["--strategy", "pp-1f1b", "--stages", "2", "--dp", "2", "--zero", "1",
+                        "--microbatches", "2", "--steps", "3", "--batch", "8"])
+  losses = out["losses"]
+  assert len(losses) == 3 and all(l == l for l in losses) and losses[-1] < losses[0]

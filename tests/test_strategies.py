@@ -1,0 +1,120 @@
+"""Every strategy gives the same losses and parameters as one device (fp32, 2+ steps)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import piper_jax as pj
+from models import assert_same_run, init_mlp, mlp_loss
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _mlp(n_stages, tied=False, seed=0):
+  return mlp_loss(n_stages, tied), init_mlp(jax.random.PRNGKey(seed), n_stages, tied)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_data_parallel_8(zero):
+  loss, params = _mlp(2)
+  assert_same_run(loss, params, pj.strategies.data_parallel(8, zero=zero))
+
+
+def test_one_device_no_directives_needed_beyond_place():
+  loss, params = _mlp(1)
+  assert_same_run(loss, params, [pj.place({}, [0])])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipeline(schedule, stages):
+  loss, params = _mlp(stages)
+  assert_same_run(loss, params, pj.strategies.pipeline(stages, 4, schedule=schedule), n_steps=3)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_pipeline_2_stages_x_dp_4(zero):
+  loss, params = _mlp(2)
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "1f1b", dp=4, zero=zero),
+                  batch_size=32)
+
+
+def test_tied_embedding_first_and_last_stage():
+  loss, params = _mlp(2, tied=True)
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 4, "1f1b"))
+
+
+def test_tied_embedding_pipeline_x_dp_zero2():
+  loss, params = _mlp(2, tied=True)
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "gpipe", dp=2, zero=2))
+
+
+def test_more_microbatches_than_stages_and_two_regions_per_rank():
+  loss, params = _mlp(4)
+  directives = [pj.split(4), pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [0]),
+                pj.place({"PP": 2}, [1]), pj.place({"PP": 3}, [1])]
+  assert_same_run(loss, params, directives)
+
+
+def test_piper_json_schedule_file(tmp_path):
+  loss, params = _mlp(2)
+  schedule = [
+      {"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": 2},
+      {"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
+      {"op": "place", "filter": {"PP": 1}, "devices": [1, 3]},
+      {"op": "replicate", "filter": {"PP": 0}, "devices": [0, 2], "reduce_stream": "dp",
+       "shard_grads": True},
+      {"op": "replicate", "filter": {"PP": 1}, "devices": [1, 3], "reduce_stream": "dp",
+       "shard_grads": True},
+      {"op": "order", "filters": [[{"PP": 0, "MB": 0, "PASS": "F"}], [{"PP": 0, "MB": 1, "PASS": "F"}],
+                                  [{"PP": 0, "MB": 0, "PASS": "B"}], [{"PP": 0, "MB": 1, "PASS": "B"}]]},
+      {"op": "order", "filters": [[{"PP": 1, "MB": 0, "PASS": "F"}], [{"PP": 1, "MB": 0, "PASS": "B"}],
+                                  [{"PP": 1, "MB": 1, "PASS": "F"}], [{"PP": 1, "MB": 1, "PASS": "B"}]]},
+  ]
+  path = tmp_path / "schedule.json"
+  path.write_text(json.dumps(schedule))
+  step, _ = assert_same_run(loss, params, str(path))
+  assert step.plan.mesh.zero == 2 and step.plan.mesh.n_dp == 2
+
+
+def test_no_annotation_is_one_region():
+  import jax.numpy as jnp
+  import optax
+
+  def loss(params, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        jnp.tanh(batch["x"] @ params["w"]) @ params["v"], batch["y"]).mean()
+
+  k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+  params = {"w": jax.random.normal(k1, (8, 16)), "v": jax.random.normal(k2, (16, 5))}
+  step, _ = assert_same_run(loss, params, pj.strategies.data_parallel(4, zero=1))
+  assert len(step.plan.model.regions) == 1
+
+
+def test_memory_partitioned_4_stage_pipeline():
+  loss, params = _mlp(4)
+  step, state = assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "1f1b"))
+  _check_partitioned(state, n_parts=4)
+
+
+def test_memory_partitioned_zero3_on_8():
+  loss, params = _mlp(2)
+  step, state = assert_same_run(loss, params, pj.strategies.data_parallel(8, zero=3))
+  _check_partitioned(state, n_parts=8)
+
+
+def _check_partitioned(state, n_parts):
+  per_device = {}
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(state):
+    if leaf.ndim == 0:
+      continue
+    total += leaf.nbytes
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  assert per_device
+  for dev, nbytes in per_device.items():
+    # Each device holds about 1/n of the state (plus the padding of its chunks).
+    assert nbytes <= total / n_parts * 1.5, (dev, nbytes, total)
