@@ -189,11 +189,12 @@ class Program:
                           if t.pass_ is not Pass.F
                           for p in self.model.regions[t.region].params}, key=str)
       out_spec = self._out_spec(sec, grad_keys)
-      branches, table = [], []
-      for rank in range(plan.n_ranks):
-        branches.append(self._branch(rank, tick_i, tick[rank], out_spec, segs is not None))
-        table.append(rank)
-      outs = lax.switch(rank_idx, branches, operands)
+      branches = [self._branch(rank, tick_i, tick[rank], out_spec, segs is not None)
+                  for rank in range(plan.n_ranks)]
+      if len(branches) == 1:
+        outs = branches[0](operands)
+      else:
+        outs = lax.switch(rank_idx, branches, operands)
       keep, rounds, g, l = outs
       loss = loss + l
       for dt, x in keep.items():
@@ -284,11 +285,9 @@ class Program:
         d_params, d_acts = region_backward(ad, stored, params, batch, acts, outs, cts)
         for i, x in zip(ad.diff_acts, d_acts):
           env[("ct", r, m, i)] = x
-        for i, g in zip(ad.diff_params, d_params):
-          h = layout.home[spec.params[i]]
-          key = (h.slot, h.dtype)
-          flat = jnp.zeros((grad_sizes[key],), jnp.dtype(h.dtype))
-          flat = lax.dynamic_update_slice(flat, jnp.ravel(g).astype(flat.dtype), (h.offset,))
+        by_leaf = {spec.params[i]: g for i, g in zip(ad.diff_params, d_params)}
+        for key in {(layout.home[p].slot, layout.home[p].dtype) for p in by_leaf}:
+          flat = self._flat_grad(key, by_leaf, grad_sizes[key])
           grad_acc[key] = grad_acc[key] + flat if key in grad_acc else flat
 
       def pack(entries_by_dt, sizes):
@@ -307,6 +306,22 @@ class Program:
       return keep, rounds, g, loss
 
     return run
+
+  def _flat_grad(self, key, by_leaf: dict, size: int) -> jax.Array:
+    """A segment-sized gradient: the given leaves at their offsets, zeros elsewhere."""
+    layout = self.layout
+    dt = jnp.dtype(key[1])
+    homes = sorted((h.offset, p) for p, h in enumerate(layout.home)
+                   if (h.slot, h.dtype) == key and p in by_leaf)
+    parts, at = [], 0
+    for off, p in homes:
+      if off > at:
+        parts.append(jnp.zeros((off - at,), dt))
+      parts.append(jnp.ravel(by_leaf[p]).astype(dt))
+      at = off + layout.home[p].size
+    if size > at:
+      parts.append(jnp.zeros((size - at,), dt))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
   def _finish_grads(self, grads: dict) -> dict:
     """Reduces accumulated gradients once and lays them out like the local param buffers."""

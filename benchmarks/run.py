@@ -1,0 +1,219 @@
+"""Side-by-side benchmark: plain jax.jit DP / GSPMD FSDP against piper-jax strategies.
+
+  python benchmarks/run.py                  # both GPT configs, every variant, on all GPUs
+  python benchmarks/run.py --model 268m --variants jit-dp,dp,pp-1f1b
+  python benchmarks/run.py --small          # tiny model on 8 CPU devices (CI)
+
+Each variant runs in a fresh child process (so that its peak memory is its own and
+an out-of-memory error ends only that row), one after another on the same devices.
+For each: median step time over `--steps` steps after `--warmup`, tokens/s, MFU
+(against the dense bf16 peak of the card, `PEAK_FLOPS`), peak device memory
+(`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
+step), and the ratio of tokens/s to the matching plain-JAX baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Dense bf16 peak FLOP/s per card (no sparsity).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+BASELINES = ("jit-dp", "gspmd-fsdp")
+PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b")
+# Which baseline each variant's ratio is taken against.
+BASELINE_OF = {"jit-dp": "jit-dp", "gspmd-fsdp": "gspmd-fsdp", "dp": "jit-dp", "zero1": "jit-dp",
+               "zero2": "jit-dp", "zero3": "gspmd-fsdp", "pp-gpipe": "jit-dp", "pp-1f1b": "jit-dp"}
+
+
+def _setup_cpu(small: bool):
+  if small:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+
+def _config(model: str, n_stages: int):
+  import jax.numpy as jnp
+  from examples import gpt
+  if model == "tiny":
+    return gpt.get_config("tiny", n_stages=n_stages)
+  return gpt.get_config(model, n_stages=n_stages, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+
+
+def _fsdp_spec(x, n):
+  """Shard the largest dimension divisible by n over all devices (plain GSPMD FSDP)."""
+  from jax.sharding import PartitionSpec as P
+  dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
+  for d in dims:
+    if x.shape[d] % n == 0:
+      return P(*[("d" if i == d else None) for i in range(x.ndim)])
+  return P()
+
+
+def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int):
+  """Runs one variant in this process; returns its row."""
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import piper_jax as pj
+  from examples import gpt
+
+  devices = jax.devices()
+  n = len(devices)
+  n_stages = 2 if variant.startswith("pp-") else 1
+  config = _config(model, n_stages)
+  net = gpt.GPT(config)
+  loss_fn = gpt.loss_fn(net)
+  params = gpt.init_params(net, jax.random.PRNGKey(0))
+  tx = optax.adamw(1e-4, weight_decay=0.1)
+  batches = [gpt.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
+  tokens = batch * config.seq_len
+
+  if variant in BASELINES:
+    mesh = Mesh(np.array(devices), ("d",))
+    if variant == "jit-dp":
+      pspec = jax.tree_util.tree_map(lambda x: P(), params)
+    else:
+      pspec = jax.tree_util.tree_map(lambda x: _fsdp_spec(x, n), params)
+    psh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), pspec)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    osh = jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, _fsdp_spec(s, n) if variant == "gspmd-fsdp" and s.ndim else P()),
+        opt_shapes)
+    bsh = NamedSharding(mesh, P("d"))
+
+    def train_step(state, b):
+      p, o = state
+      loss, grads = jax.value_and_grad(loss_fn)(p, b)
+      updates, o = tx.update(grads, o, p)
+      return (optax.apply_updates(p, updates), o), loss
+
+    step_fn = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
+                      donate_argnums=0)
+    p = jax.device_put(params, psh)
+    state = (p, jax.jit(tx.init, out_shardings=osh)(p))
+    batches = [jax.device_put(b, bsh) for b in batches]
+    call = step_fn
+  else:
+    if variant.startswith("pp-"):
+      directives = pj.strategies.pipeline(2, microbatches, schedule=variant[3:], dp=n // 2)
+    else:
+      zero = 0 if variant == "dp" else int(variant[-1])
+      directives = pj.strategies.data_parallel(n, zero=zero)
+    step = pj.compile(loss_fn, tx, directives, params, batches[0])
+    state = step.init(params)
+    call = step
+  del params
+
+  t0 = time.perf_counter()
+  state, loss = call(state, batches[0])
+  loss.block_until_ready()
+  first = time.perf_counter() - t0
+  for i in range(warmup):
+    state, loss = call(state, batches[(i + 1) % len(batches)])
+  loss.block_until_ready()
+  times = []
+  for i in range(steps):
+    t0 = time.perf_counter()
+    state, loss = call(state, batches[i % len(batches)])
+    loss.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  step_s = float(np.median(times))
+  peak = 0
+  for d in jax.local_devices():
+    stats = d.memory_stats() or {}
+    peak = max(peak, stats.get("peak_bytes_in_use", 0))
+  kind = devices[0].device_kind
+  peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+  tps = tokens / step_s
+  mfu = gpt.flops_per_token(config) * tps / (n * peak_flops) if peak_flops else None
+  return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
+          "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": mfu,
+          "peak_gib": peak / 2**30 if peak else None, "compile_s": max(first - step_s, 0.0),
+          "loss": float(loss)}
+
+
+def _child(args, variant, model):
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--model", model,
+         "--batch", str(args.batch), "--microbatches", str(args.microbatches),
+         "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  t0 = time.time()
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+  for line in proc.stdout.splitlines():
+    if line.startswith("ROW "):
+      return json.loads(line[4:])
+  tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+  err = " | ".join(tail)
+  if "RESOURCE_EXHAUSTED" in (proc.stderr or "") or "out of memory" in (proc.stderr or "").lower():
+    err = "out of memory"
+  return {"variant": variant, "model": model, "error": err[:300], "wall_s": time.time() - t0}
+
+
+def table(rows) -> str:
+  head = "| model | variant | devices | step ms | tok/s | vs baseline | MFU | peak GiB | compile s |"
+  lines = [head, "|" + "---|" * 9]
+  base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['model']} | {r['variant']} | | | {r['error']} | | | | |")
+      continue
+    b = base.get((r["model"], BASELINE_OF[r["variant"]]))
+    ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {BASELINE_OF[r['variant']]}" if b else "-"
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | "
+                 f"{r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {mfu} | {peak} | {r['compile_s']:.1f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model", default="268m,1.3b", help="comma list of: tiny, 268m, 1.3b")
+  ap.add_argument("--variants", default=",".join(BASELINES + PIPER))
+  ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+  ap.add_argument("--microbatches", type=int, default=8)
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+  ap.add_argument("--small", action="store_true", help="tiny model on 8 CPU devices")
+  ap.add_argument("--out", default=None, help="JSON output path")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.small:
+    args.model, args.batch, args.microbatches, args.steps, args.warmup = "tiny", 16, 4, 2, 1
+  _setup_cpu(args.small)
+  if args.child:
+    sys.path.insert(0, ROOT)
+    row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup)
+    print("ROW " + json.dumps(row), flush=True)
+    return row
+  rows = []
+  for model in args.model.split(","):
+    for variant in args.variants.split(","):
+      row = _child(args, variant, model)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  import jax
+  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+          "batch": args.batch, "microbatches": args.microbatches, "steps": args.steps}
+  out = args.out or os.path.join(ROOT, "benchmarks", "results_small.json" if args.small else "results.json")
+  with open(out, "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  print(table(rows))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
