@@ -10,7 +10,6 @@ per tick (ZeRO 2/3); ZeRO-3 gathers a slot's parameters before the switch.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -30,25 +29,35 @@ __all__ = ["Program"]
 # residual k of F; ("ct", region, mb, i) cotangent of input i, made by B.
 
 
-@dataclasses.dataclass(frozen=True)
-class _Loc:
-  array: tuple          # ("keep", tick, dtype) or ("recv", tick, round, dtype)
-  offset: int
-  size: int
-  shape: tuple
-  dtype: str
+def _signature(aval) -> tuple:
+  return (tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
 
 
-def _pack_layout(values: list[tuple[tuple, Any]]) -> dict[str, list[tuple[tuple, int, int, tuple]]]:
-  """Per dtype: (key, offset, size, shape) of each value, packed in order."""
-  out: dict[str, list] = {}
-  fill: dict[str, int] = {}
-  for key, aval in values:
-    dt = str(np.dtype(aval.dtype))
-    n = int(np.prod(aval.shape))
-    out.setdefault(dt, []).append((key, fill.get(dt, 0), n, tuple(aval.shape)))
-    fill[dt] = fill.get(dt, 0) + n
-  return out
+def _match_positions(per_rank: dict[int, list[tuple[Any, Any]]]) -> tuple[list[tuple], dict]:
+  """Gives each rank's values positions in one output list, sharing positions by shape.
+
+  `lax.switch` branches must return the same types; values of equal shape and dtype
+  on different ranks (a transformer block's on every stage) share a position, so
+  nothing is packed or copied. Returns the positions' (shape, dtype) and, per
+  (rank, key), the position of that value.
+  """
+  positions: list[tuple] = []
+  where: dict = {}
+  for rank, values in sorted(per_rank.items()):
+    used: set[int] = set()
+    for key, aval in values:
+      sig = _signature(aval)
+      pos = next((i for i, s in enumerate(positions) if s == sig and i not in used), None)
+      if pos is None:
+        positions.append(sig)
+        pos = len(positions) - 1
+      used.add(pos)
+      where[(rank, key)] = pos
+  return positions, where
+
+
+def _zeros(sig) -> jax.Array:
+  return jnp.zeros(sig[0], jnp.dtype(sig[1]))
 
 
 class Program:
@@ -61,6 +70,7 @@ class Program:
                                     for r in self.model.regions}
     self.n_mb = plan.n_microbatches
     self.mbs = self.model.batch_size
+    self._plan_grads()
     self._plan_values()
 
   # -- static analysis: who produces and reads every value ----------------------
@@ -111,25 +121,20 @@ class Program:
     return [("ct", r, m, i) for i in self.ad[r].diff_acts]
 
   def _plan_values(self):
-    plan = self.plan
-    producer: dict[tuple, Task] = {}
-    for t in plan.tasks.values():
-      for key in self._produces(t):
-        producer[key] = t
+    plan, layout = self.plan, self.layout
     readers: dict[tuple, list[Task]] = {}
     for t in plan.tasks.values():
       for key in self._reads(t):
         readers.setdefault(key, []).append(t)
-    self.loc: dict[tuple, _Loc] = {}          # (key, reader rank) -> where it lives
-    self.sections: list[dict] = []            # per tick: layouts of keep and rounds
+    self.loc: dict[tuple, tuple] = {}   # (key, reader rank) -> array key of the value
+    self.ticks: list[dict] = []         # per tick: keep positions, rounds, grad positions
     for tick_i, tick in enumerate(plan.ticks):
       keep_vals = {rank: [] for rank in range(plan.n_ranks)}
       msgs: dict[tuple[int, int], list] = {}
       for rank, tasks in enumerate(tick):
         for task in tasks:
           for key in self._produces(task):
-            later_local = any(rd.rank == rank and rd.tick > tick_i for rd in readers.get(key, []))
-            if later_local:
+            if any(rd.rank == rank and rd.tick > tick_i for rd in readers.get(key, [])):
               keep_vals[rank].append((key, self._value_aval(key)))
             for dst in sorted({rd.rank for rd in readers.get(key, []) if rd.rank != rank}):
               msgs.setdefault((rank, dst), []).append((key, self._value_aval(key)))
@@ -141,84 +146,116 @@ class Program:
             break
         else:
           rounds.append([(a, b)])
-      layout = {"keep": {}, "rounds": []}
-      for rank, vals in keep_vals.items():
-        for dt, entries in _pack_layout(vals).items():
-          layout["keep"].setdefault(dt, {})[rank] = entries
-          for key, off, n, shape in entries:
-            self.loc[(key, rank)] = _Loc(("keep", tick_i, dt), off, n, shape, dt)
+      keep_pos, keep_where = _match_positions(keep_vals)
+      for (rank, key), pos in keep_where.items():
+        self.loc[(key, rank)] = ("keep", tick_i, pos)
+      round_info = []
       for ri, rnd in enumerate(rounds):
-        per_dt: dict[str, dict] = {}
+        pos, where = _match_positions({a: msgs[(a, b)] for a, b in rnd})
         for a, b in rnd:
-          for dt, entries in _pack_layout(msgs[(a, b)]).items():
-            per_dt.setdefault(dt, {})[a] = entries
-            for key, off, n, shape in entries:
-              self.loc[(key, b)] = _Loc(("recv", tick_i, ri, dt), off, n, shape, dt)
-        layout["rounds"].append((rnd, per_dt))
-      self.sections.append(layout)
-    self.producer, self.readers = producer, readers
+          for key, _ in msgs[(a, b)]:
+            self.loc[(key, b)] = ("recv", tick_i, ri, where[(a, key)])
+        round_info.append((rnd, pos, where))
+      grad_pos = sorted({self.grad_where[(rank, p)] for rank, tasks in enumerate(tick)
+                         for t in tasks if t.pass_ is not Pass.F
+                         for p in self._grad_leaves(t.region)})
+      self.ticks.append({"keep": (keep_pos, keep_where), "rounds": round_info, "grads": grad_pos})
+    self.last_grad_tick = {pos: t for t, info in enumerate(self.ticks) for pos in info["grads"]}
+
+  def _grad_leaves(self, region: int) -> list[int]:
+    spec = self.model.regions[region]
+    return [spec.params[i] for i in self.ad[region].diff_params]
+
+  def _plan_grads(self):
+    """Positions of the per-leaf gradient accumulators, shared across ranks by shape."""
+    per_rank: dict[int, list] = {r: [] for r in range(self.plan.n_ranks)}
+    for r in self.model.regions:
+      rank = self.plan.mesh.region_rank[r.index]
+      for p in self._grad_leaves(r.index):
+        if all(k != p for k, _ in per_rank[rank]):
+          per_rank[rank].append((p, jax.ShapeDtypeStruct(self.model.params[p].shape,
+                                                          jnp.dtype(self.model.params[p].dtype))))
+    self.grad_positions, self.grad_where = _match_positions(per_rank)
+    self.grad_leaves_of_rank = {rank: [p for p, _ in vals] for rank, vals in per_rank.items()}
 
   # -- the shard_map body -------------------------------------------------------
+
+  def _switch(self, branches, operands):
+    if len(branches) == 1:
+      return branches[0](operands)
+    return lax.switch(lax.axis_index("pp"), branches, operands)
 
   def body(self, params: dict, batch: list):
     """One training step on local shards -> (grads like params, summed mean loss)."""
     plan, layout = self.plan, self.layout
     zero, n_dp = layout.zero, layout.n_dp
-    rank_idx = lax.axis_index("pp")
     arrays: dict[tuple, jax.Array] = {}
-    grads: dict[tuple[int, str], jax.Array] = {}
+    acc: dict = {}   # ZeRO 0/1: grad position -> sum; ZeRO 2/3: (slot, dtype) -> reduced chunk
     loss = jnp.zeros((), jnp.float32)
     for tick_i, tick in enumerate(plan.ticks):
-      sec = self.sections[tick_i]
+      info = self.ticks[tick_i]
       # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
       slots = sorted({layout.home[p].slot for ts in tick for t in ts
                       for p in self.model.regions[t.region].params})
-      dts = layout.dtypes
       if zero == 3:
         segs = {(s, dt): lax.all_gather(layout.local_chunk(params, s, dt), "dp", tiled=True)
-                for s in slots for dt in dts if layout.segment_size(s, dt)}
+                for s in slots for dt in layout.dtypes if layout.segment_size(s, dt)}
       else:
         segs = None
-      reads = sorted({self.loc[(key, rank)].array for rank, ts in enumerate(tick) for t in ts
+      reads = sorted({self.loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                       for key in self._reads(t)
-                      if (key, rank) in self.loc and self.loc[(key, rank)].array[1] < tick_i},
-                     key=str)
-      operands = {"arrays": {k: arrays[k] for k in reads}, "params": params if segs is None else segs,
-                  "batch": batch}
-      grad_keys = sorted({(layout.home[p].slot, layout.home[p].dtype) for ts in tick for t in ts
-                          if t.pass_ is not Pass.F
-                          for p in self.model.regions[t.region].params}, key=str)
-      out_spec = self._out_spec(sec, grad_keys)
-      branches = [self._branch(rank, tick_i, tick[rank], out_spec, segs is not None)
+                      if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
+      operands = {"arrays": {k: arrays[k] for k in reads},
+                  "params": params if segs is None else segs, "batch": batch}
+      branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
                   for rank in range(plan.n_ranks)]
-      if len(branches) == 1:
-        outs = branches[0](operands)
-      else:
-        outs = lax.switch(rank_idx, branches, operands)
-      keep, rounds, g, l = outs
-      loss = loss + l
-      for dt, x in keep.items():
-        arrays[("keep", tick_i, dt)] = x
-      for ri, ((rnd, _), payload) in enumerate(zip(sec["rounds"], rounds)):
-        for dt, x in payload.items():
-          arrays[("recv", tick_i, ri, dt)] = lax.ppermute(x, "pp", perm=rnd)
-      for key, x in g.items():
-        if zero >= 2:
+      keep, rounds, grads, tick_loss = self._switch(branches, operands)
+      loss = loss + tick_loss
+      for pos, x in enumerate(keep):
+        arrays[("keep", tick_i, pos)] = x
+      for ri, ((rnd, _, _), payload) in enumerate(zip(info["rounds"], rounds)):
+        for pos, x in enumerate(payload):
+          arrays[("recv", tick_i, ri, pos)] = lax.ppermute(x, "pp", perm=rnd)
+      if zero >= 2 and grads:
+        for key, x in self._assemble(grads).items():
           x = lax.psum_scatter(x, "dp", scatter_dimension=0, tiled=True)
-        grads[key] = grads[key] + x if key in grads else x
-    return self._finish_grads(grads), lax.psum(loss, ("dp", "pp")) / (n_dp * self.n_mb)
+          acc[key] = acc[key] + x if key in acc else x
+      else:
+        for pos, x in grads.items():
+          acc[pos] = acc[pos] + x if pos in acc else x
+          if zero == 0 and self.last_grad_tick[pos] == tick_i:
+            # Reduced as soon as its last microbatch is in: XLA overlaps this
+            # all-reduce with the backward work that follows.
+            acc[pos] = lax.psum(acc[pos], "dp")
+    if zero < 2:
+      acc = self._assemble(acc) if acc else {}
+    return self._finish_grads(acc), lax.psum(loss, ("dp", "pp")) / (n_dp * self.n_mb)
 
-  def _out_spec(self, sec, grad_keys):
-    keep = {dt: max(e[-1][1] + e[-1][2] for e in per_rank.values())
-            for dt, per_rank in sec["keep"].items()}
-    rounds = [{dt: max(e[-1][1] + e[-1][2] for e in per_rank.values())
-               for dt, per_rank in per_dt.items()} for _, per_dt in sec["rounds"]]
-    grads = {key: self.layout.segment_size(*key) for key in grad_keys}
-    return keep, rounds, grads
+  def _assemble(self, grads: dict[int, jax.Array]) -> dict[tuple, jax.Array]:
+    """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments."""
+    layout = self.layout
+    keys = sorted({(layout.home[p].slot, layout.home[p].dtype)
+                   for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
+                   if self.grad_where[(rank, p)] in grads}, key=str)
 
-  def _branch(self, rank: int, tick_i: int, tasks: list[Task], out_spec, gathered: bool):
-    layout, model, sec = self.layout, self.model, self.sections[tick_i]
-    keep_sizes, round_sizes, grad_sizes = out_spec
+    def branch(rank):
+      def run(g):
+        segs = {key: jnp.zeros((layout.segment_size(*key),), jnp.dtype(key[1])) for key in keys}
+        for p in self.grad_leaves_of_rank[rank]:
+          pos = self.grad_where[(rank, p)]
+          if pos not in g:
+            continue
+          h = layout.home[p]
+          key = (h.slot, h.dtype)
+          segs[key] = lax.dynamic_update_slice(segs[key], jnp.ravel(g[pos]), (h.offset,))
+        return segs
+      return run
+
+    return self._switch([branch(r) for r in range(self.plan.n_ranks)], grads)
+
+  def _branch(self, rank: int, tick_i: int, tasks: list[Task], gathered: bool):
+    layout, model, info = self.layout, self.model, self.ticks[tick_i]
+    keep_pos, keep_where = info["keep"]
 
     def run(ops):
       env: dict[tuple, jax.Array] = {}
@@ -226,9 +263,7 @@ class Program:
       def read(key):
         if key in env:
           return env[key]
-        loc = self.loc[(key, rank)]
-        x = ops["arrays"][loc.array]
-        return x[loc.offset:loc.offset + loc.size].reshape(loc.shape)
+        return ops["arrays"][self.loc[(key, rank)]]
 
       seg_cache = {}
 
@@ -246,7 +281,7 @@ class Program:
         return [lax.dynamic_slice_in_dim(ops["batch"][i], m * self.mbs, self.mbs, 0)
                 for i in model.regions[r].batch]
 
-      grad_acc: dict[tuple, jax.Array] = {}
+      grad_acc: dict[int, jax.Array] = {}
       loss = jnp.zeros((), jnp.float32)
       for t in tasks:
         r, m = t.region, t.mb
@@ -275,9 +310,8 @@ class Program:
         cts = []
         for k in ad.float_outs:
           o = spec.outputs[k]
-          srcs = self._ct_sources(r, m, k)
           ct = jnp.zeros(o.shape, jnp.dtype(o.dtype))
-          for key in srcs:
+          for key in self._ct_sources(r, m, k):
             ct = ct + read(key).astype(ct.dtype)
           if spec.produces_loss and k == self.traced.loss_output():
             ct = ct + jnp.asarray(1.0 / (layout.n_dp * self.n_mb), ct.dtype)
@@ -285,43 +319,25 @@ class Program:
         d_params, d_acts = region_backward(ad, stored, params, batch, acts, outs, cts)
         for i, x in zip(ad.diff_acts, d_acts):
           env[("ct", r, m, i)] = x
-        by_leaf = {spec.params[i]: g for i, g in zip(ad.diff_params, d_params)}
-        for key in {(layout.home[p].slot, layout.home[p].dtype) for p in by_leaf}:
-          flat = self._flat_grad(key, by_leaf, grad_sizes[key])
-          grad_acc[key] = grad_acc[key] + flat if key in grad_acc else flat
+        for i, g in zip(ad.diff_params, d_params):
+          p = spec.params[i]
+          grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
 
-      def pack(entries_by_dt, sizes):
-        out = {}
-        for dt, size in sizes.items():
-          entries = entries_by_dt.get(dt, {}).get(rank, [])
-          parts = [jnp.ravel(env[key]).astype(dt) for key, _, _, _ in entries]
-          used = sum(n for _, _, n, _ in entries)
-          parts.append(jnp.zeros((size - used,), jnp.dtype(dt)))
-          out[dt] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-        return out
+      def fill(positions, where):
+        out = [None] * len(positions)
+        for (rk, key), pos in where.items():
+          if rk == rank:
+            out[pos] = env[key]
+        return tuple(_zeros(sig) if x is None else x.astype(sig[1]) for x, sig in zip(out, positions))
 
-      keep = pack(sec["keep"], keep_sizes)
-      rounds = [pack(per_dt, sizes) for (_, per_dt), sizes in zip(sec["rounds"], round_sizes)]
-      g = {key: grad_acc.get(key, jnp.zeros((n,), jnp.dtype(key[1]))) for key, n in grad_sizes.items()}
-      return keep, rounds, g, loss
+      keep = fill(keep_pos, keep_where)
+      rounds = [fill(pos, where) for _, pos, where in info["rounds"]]
+      by_pos = {self.grad_where[(rank, p)]: g for p, g in grad_acc.items()}
+      grads = {pos: by_pos[pos].astype(self.grad_positions[pos][1]) if pos in by_pos
+               else _zeros(self.grad_positions[pos]) for pos in info["grads"]}
+      return keep, rounds, grads, loss
 
     return run
-
-  def _flat_grad(self, key, by_leaf: dict, size: int) -> jax.Array:
-    """A segment-sized gradient: the given leaves at their offsets, zeros elsewhere."""
-    layout = self.layout
-    dt = jnp.dtype(key[1])
-    homes = sorted((h.offset, p) for p, h in enumerate(layout.home)
-                   if (h.slot, h.dtype) == key and p in by_leaf)
-    parts, at = [], 0
-    for off, p in homes:
-      if off > at:
-        parts.append(jnp.zeros((off - at,), dt))
-      parts.append(jnp.ravel(by_leaf[p]).astype(dt))
-      at = off + layout.home[p].size
-    if size > at:
-      parts.append(jnp.zeros((size - at,), dt))
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
   def _finish_grads(self, grads: dict) -> dict:
     """Reduces accumulated gradients once and lays them out like the local param buffers."""
@@ -338,7 +354,7 @@ class Program:
         if g is None:
           g = jnp.zeros((c if zero >= 2 else n_dp * c,), jnp.dtype(dt))
         if zero == 0:
-          g = lax.psum(g, "dp").reshape(n_dp, c)
+          g = g.reshape(n_dp, c)  # already all-reduced per leaf
         elif zero == 1:
           g = lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, c)
         else:
@@ -354,7 +370,7 @@ class Program:
         g = jnp.zeros((c if zero >= 2 else n_dp * c,), jnp.dtype(dt))
       g = lax.psum(g, "pp")
       if zero == 0:
-        g = lax.psum(g, "dp").reshape(n_dp, c)
+        g = g.reshape(n_dp, c)
       elif zero == 1:
         g = lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, c)
       else:
