@@ -160,7 +160,6 @@ class Program:
                          for t in tasks if t.pass_ is not Pass.F
                          for p in self._grad_leaves(t.region)})
       self.ticks.append({"keep": (keep_pos, keep_where), "rounds": round_info, "grads": grad_pos})
-    self.last_grad_tick = {pos: t for t, info in enumerate(self.ticks) for pos in info["grads"]}
 
   def _grad_leaves(self, region: int) -> list[int]:
     spec = self.model.regions[region]
@@ -223,10 +222,6 @@ class Program:
       else:
         for pos, x in grads.items():
           acc[pos] = acc[pos] + x if pos in acc else x
-          if zero == 0 and self.last_grad_tick[pos] == tick_i:
-            # Reduced as soon as its last microbatch is in: XLA overlaps this
-            # all-reduce with the backward work that follows.
-            acc[pos] = lax.psum(acc[pos], "dp")
     if zero < 2:
       acc = self._assemble(acc) if acc else {}
     return self._finish_grads(acc), lax.psum(loss, ("dp", "pp")) / (n_dp * self.n_mb)
@@ -354,7 +349,7 @@ class Program:
         if g is None:
           g = jnp.zeros((c if zero >= 2 else n_dp * c,), jnp.dtype(dt))
         if zero == 0:
-          g = g.reshape(n_dp, c)  # already all-reduced per leaf
+          g = lax.psum(g, "dp").reshape(n_dp, c)
         elif zero == 1:
           g = lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, c)
         else:
@@ -370,7 +365,7 @@ class Program:
         g = jnp.zeros((c if zero >= 2 else n_dp * c,), jnp.dtype(dt))
       g = lax.psum(g, "pp")
       if zero == 0:
-        g = g.reshape(n_dp, c)
+        g = lax.psum(g, "dp").reshape(n_dp, c)
       elif zero == 1:
         g = lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, c)
       else:
