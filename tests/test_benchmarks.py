@@ -1,0 +1,29 @@
+"""benchmarks/run.py --small runs the same code as the GPU benchmark, on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(600)
+def test_run_small(tmp_path):
+  out = tmp_path / "small.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small",
+       "--variants", "jit-dp,zero3,pp-1f1b", "--out", str(out)],
+      capture_output=True, text=True, timeout=580)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["variant"] for r in rows] == ["jit-dp", "zero3", "pp-1f1b"]
+  for r in rows:
+    assert "error" not in r, r
+    assert r["tokens_per_s"] > 0 and r["loss"] == r["loss"]
+  # Same model, batches and optimizer steps: every strategy ends at the same loss.
+  losses = [r["loss"] for r in rows]
+  assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+  assert "| tiny | pp-1f1b |" in proc.stdout
