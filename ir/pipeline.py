@@ -12,7 +12,7 @@ from piper_jax.ir.graph import NodeKind
 from piper_jax.ir.mesh import derive_mesh
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.passes import (apply_order, insert_collectives, insert_send_recv, place_nodes,
-                                 split_microbatches)
+                                 split_backward, split_microbatches)
 from piper_jax.ir.plan import Plan
 
 __all__ = ["make_plan"]
@@ -60,7 +60,7 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
               global_batch: int | None = None) -> Plan:
   """Builds the global DAG of `model`, rewrites it with `directives` and orders it per device.
 
-  Pass order: split, place/replicate, mesh check, send/recv, collectives, order.
+  Pass order: split, BI/BW split (when a filter names BI or BW), place/replicate, mesh check, send/recv, collectives, order.
   Raises `DirectiveError` (naming the directive) or `PlanError` for bad input.
   """
   directives = list(directives)
@@ -73,6 +73,8 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
   n_mb = _num_microbatches(model, directives)
   _check_filters(model, directives, n_mb)
   graph = split_microbatches(build_graph(model), n_mb)
+  if any(t == "PASS" and v in ("BI", "BW") for d in directives for f in _filters(d) for t, v in f):
+    graph = split_backward(graph)
   for i, d in enumerate(directives):
     if not isinstance(d, Split):
       for f in _filters(d):

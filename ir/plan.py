@@ -196,3 +196,8 @@ class Plan:
 
   def to_dot(self) -> str:
     return self.graph.to_dot()
+
+  def simulate(self, costs):
+    """Simulated makespan, bubble fraction and peak activations; see `ir.simulate`."""
+    from piper_jax.ir.simulate import simulate
+    return simulate(self, costs)

@@ -20,13 +20,17 @@ from jax import lax
 from piper_jax.ir.graph import Pass
 from piper_jax.ir.plan import Plan, Task
 from piper_jax.lowering.layout import SHARED, ParamLayout
-from piper_jax.lowering.regions import RegionAD, analyze_region, region_backward, region_forward
+from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
+                                        backward_weight, full_residuals, region_backward,
+                                        region_forward, split_backward)
 from piper_jax.lowering.trace import TracedLoss
 
 __all__ = ["Program"]
 
 # Value keys: ("act", region, mb, k) output k of F; ("res", region, mb, k) stored
-# residual k of F; ("ct", region, mb, i) cotangent of input i, made by B.
+# residual k of F; ("ct", region, mb, i) cotangent of input i, made by B or BI;
+# ("wres", region, mb, k) value k that BI leaves for BW.
+_GRAD_PASSES = (Pass.B, Pass.BW)
 
 
 def _signature(aval) -> tuple:
@@ -68,6 +72,13 @@ class Program:
     self.model = traced.spec
     self.ad: dict[int, RegionAD] = {r.index: analyze_region(traced, r.index)
                                     for r in self.model.regions}
+    self.split: dict[int, BackwardSplit] = {}
+    for t in plan.tasks.values():
+      if t.pass_ is Pass.BI and t.region not in self.split:
+        spec = self.model.regions[t.region]
+        cts = [jax.ShapeDtypeStruct(spec.outputs[k].shape, jnp.dtype(spec.outputs[k].dtype))
+               for k in self.ad[t.region].float_outs]
+        self.split[t.region] = split_backward(self.ad[t.region], cts)
     self.n_mb = plan.n_microbatches
     self.mbs = self.model.batch_size
     self._plan_grads()
@@ -83,6 +94,8 @@ class Program:
       return jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype))
     if kind == "res":
       return self.ad[r].res_avals[self.ad[r].stored[k]]
+    if kind == "wres":
+      return self.split[r].carry_avals[k]
     x = spec.inputs[k].spec
     return jax.ShapeDtypeStruct(x.shape, jnp.dtype(x.dtype))
 
@@ -102,6 +115,8 @@ class Program:
         elif a and a[0] == "out":
           keys.append(("act", r, m, a[1]))
       keys += self._ct_sources(r, m)
+      if task.pass_ is Pass.BW:
+        keys += [("wres", r, m, k) for k in range(len(self.split[r].carry))]
     return list(dict.fromkeys(keys))
 
   def _ct_sources(self, r: int, m: int, out: int | None = None) -> list[tuple]:
@@ -118,7 +133,12 @@ class Program:
     if task.pass_ is Pass.F:
       return ([("act", r, m, k) for k in range(len(self.model.regions[r].outputs))]
               + [("res", r, m, k) for k in range(len(self.ad[r].stored))])
-    return [("ct", r, m, i) for i in self.ad[r].diff_acts]
+    if task.pass_ is Pass.BW:
+      return []
+    out = [("ct", r, m, i) for i in self.ad[r].diff_acts]
+    if task.pass_ is Pass.BI:
+      out += [("wres", r, m, k) for k in range(len(self.split[r].carry))]
+    return out
 
   def _plan_values(self):
     plan, layout = self.plan, self.layout
@@ -157,7 +177,7 @@ class Program:
             self.loc[(key, b)] = ("recv", tick_i, ri, where[(a, key)])
         round_info.append((rnd, pos, where))
       grad_pos = sorted({self.grad_where[(rank, p)] for rank, tasks in enumerate(tick)
-                         for t in tasks if t.pass_ is not Pass.F
+                         for t in tasks if t.pass_ in _GRAD_PASSES
                          for p in self._grad_leaves(t.region)})
       self.ticks.append({"keep": (keep_pos, keep_where), "rounds": round_info, "grads": grad_pos})
 
@@ -311,7 +331,19 @@ class Program:
           if spec.produces_loss and k == self.traced.loss_output():
             ct = ct + jnp.asarray(1.0 / (layout.n_dp * self.n_mb), ct.dtype)
           cts.append(ct)
-        d_params, d_acts = region_backward(ad, stored, params, batch, acts, outs, cts)
+        if t.pass_ is Pass.B:
+          d_params, d_acts = region_backward(ad, stored, params, batch, acts, outs, cts)
+        else:
+          res = full_residuals(ad, stored, params, batch, acts, outs)
+          if t.pass_ is Pass.BI:
+            d_acts, carry = backward_input(self.split[r], res, cts)
+            for k, x in enumerate(carry):
+              env[("wres", r, m, k)] = x
+            d_params = []
+          else:
+            carry = [read(("wres", r, m, k)) for k in range(len(self.split[r].carry))]
+            d_params = backward_weight(self.split[r], res, cts, carry)
+            d_acts = []
         for i, x in zip(ad.diff_acts, d_acts):
           env[("ct", r, m, i)] = x
         for i, g in zip(ad.diff_params, d_params):

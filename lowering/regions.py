@@ -115,10 +115,104 @@ def region_forward(traced: TracedLoss, ad: RegionAD, params, batch, acts):
 
 def region_backward(ad: RegionAD, stored, params, batch, acts, outs, out_cts):
   """Runs B: cotangents of the float outputs -> (param grads, activation cotangents)."""
+  res = full_residuals(ad, stored, params, batch, acts, outs)
+  vjp_fn = jax.tree_util.tree_unflatten(ad.res_tree, res)
+  d_params, d_acts = vjp_fn(list(out_cts))
+  return d_params, d_acts
+
+
+@dataclasses.dataclass
+class BackwardSplit:
+  """B cut into BI (activation cotangents) and BW (parameter gradients) at the jaxpr level.
+
+  BI runs the equations the activation cotangents need and hands BW the values
+  (`carry`) that the weight-gradient equations read from them, so BW recomputes
+  nothing.
+  """
+
+  jaxpr: Any
+  consts: list
+  bi_eqns: list
+  bw_eqns: list
+  carry: list           # jaxpr vars BI computes and BW reads
+  n_res: int
+  n_params: int
+
+  @property
+  def carry_avals(self):
+    return [v.aval for v in self.carry]
+
+
+def _needed(eqns, outvars) -> list[bool]:
+  from piper_jax.lowering.compat import Literal
+  live = {v for v in outvars if not isinstance(v, Literal)}
+  keep = [False] * len(eqns)
+  for i in range(len(eqns) - 1, -1, -1):
+    e = eqns[i]
+    if any(v in live for v in e.outvars):
+      keep[i] = True
+      live.update(v for v in e.invars if not isinstance(v, Literal))
+  return keep
+
+
+def split_backward(ad: RegionAD, ct_avals) -> BackwardSplit:
+  """Traces region B once and partitions its equations into BI and BW."""
+  def bwd(res, cts):
+    d_params, d_acts = jax.tree_util.tree_unflatten(ad.res_tree, res)(list(cts))
+    return list(d_params) + list(d_acts)
+
+  closed = jax.make_jaxpr(bwd)(list(ad.res_avals), list(ct_avals))
+  j = closed.jaxpr
+  n_p = len(ad.diff_params)
+  bi_keep = _needed(j.eqns, j.outvars[n_p:])
+  bw_keep = _needed(j.eqns, j.outvars[:n_p])
+  bi_eqns = [e for e, k in zip(j.eqns, bi_keep) if k]
+  bw_eqns = [e for e, k, b in zip(j.eqns, bw_keep, bi_keep) if k and not b]
+  bi_defined = {v for e in bi_eqns for v in e.outvars}
+  carry = []
+  for e in bw_eqns:
+    for v in e.invars:
+      if v in bi_defined and v not in carry:
+        carry.append(v)
+  for v in j.outvars[:n_p]:
+    if v in bi_defined and v not in carry:
+      carry.append(v)
+  return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p)
+
+
+def _env(split: BackwardSplit, res, cts) -> dict:
+  j = split.jaxpr
+  env = dict(zip(j.constvars, split.consts))
+  env.update(zip(j.invars, list(res) + list(cts)))
+  return env
+
+
+def _read(env, v):
+  from piper_jax.lowering.compat import Literal
+  return v.val if isinstance(v, Literal) else env[v]
+
+
+def backward_input(split: BackwardSplit, res, cts):
+  """BI: -> (activation cotangents, carry for BW)."""
+  from piper_jax.lowering.compat import eval_eqns
+  env = eval_eqns(split.bi_eqns, _env(split, res, cts))
+  return ([_read(env, v) for v in split.jaxpr.outvars[split.n_params:]],
+          [env[v] for v in split.carry])
+
+
+def backward_weight(split: BackwardSplit, res, cts, carry):
+  """BW: -> parameter gradients."""
+  from piper_jax.lowering.compat import eval_eqns
+  env = _env(split, res, cts)
+  env.update(zip(split.carry, carry))
+  env = eval_eqns(split.bw_eqns, env)
+  return [_read(env, v) for v in split.jaxpr.outvars[:split.n_params]]
+
+
+def full_residuals(ad: RegionAD, stored, params, batch, acts, outs) -> list:
+  """The residual list vjp expects, from the stored ones and the aliased inputs/outputs."""
   res, it = [], iter(stored)
   src = {"param": params, "batch": batch, "act": acts, "out": outs}
   for a in ad.alias:
     res.append(next(it) if a is None else src[a[0]][a[1]])
-  vjp_fn = jax.tree_util.tree_unflatten(ad.res_tree, res)
-  d_params, d_acts = vjp_fn(list(out_cts))
-  return d_params, d_acts
+  return res

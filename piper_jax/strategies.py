@@ -7,7 +7,7 @@ from piper_jax.ir.directives import Directive, place, replicate, split
 
 __all__ = ["data_parallel", "pipeline"]
 
-_SCHEDULES = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 
 
 def data_parallel(n_devices: int, zero: int = 0) -> list[Directive]:
@@ -18,27 +18,49 @@ def data_parallel(n_devices: int, zero: int = 0) -> list[Directive]:
 
 
 def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int = 1,
-             zero: int = 0) -> list[Directive]:
+             zero: int = 0, n_virtual: int = 2) -> list[Directive]:
   """A pipeline of `n_stages` PP regions, optionally data parallel, as directives.
 
-  Stage s of DP replica r runs on device r * n_stages + s.
+  Pipeline rank k of DP replica r runs on device r * n_ranks + k. Stage s sits on
+  rank s for "gpipe", "1f1b" and "zb"; on rank s % n_ranks with
+  n_ranks = n_stages / n_virtual for "interleaved"; on rank min(s, 2n-1-s) with
+  n = n_stages / 2 for "dualpipev".
 
   Args:
     n_stages: the number of PP regions of the model (stage s = region PP=s).
     n_microbatches: microbatches per step.
-    schedule: "gpipe" or "1f1b".
+    schedule: "gpipe", "1f1b", "interleaved", "zb" (ZB-H1) or "dualpipev".
     dp: data-parallel replicas of every stage.
     zero: ZeRO stage of the DP axis.
+    n_virtual: stages per rank for "interleaved".
   """
   if schedule not in _SCHEDULES:
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(_SCHEDULES)}")
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(_SCHEDULES)}")
   if dp < 1 or n_stages < 1:
     raise ValueError(f"n_stages and dp must be >= 1, got {n_stages} and {dp}")
+  if schedule == "interleaved":
+    if n_stages % n_virtual:
+      raise ValueError(f"interleaved needs n_stages ({n_stages}) divisible by n_virtual "
+                       f"({n_virtual})")
+    n_ranks = n_stages // n_virtual
+    rank_of = lambda s: s % n_ranks
+    orders = schedules.interleaved_1f1b(n_ranks, n_virtual, n_microbatches)
+  elif schedule == "dualpipev":
+    if n_stages % 2:
+      raise ValueError(f"dualpipev needs an even n_stages (two per rank), got {n_stages}")
+    n_ranks = n_stages // 2
+    rank_of = lambda s: min(s, n_stages - 1 - s)
+    orders = schedules.dualpipev(n_ranks, n_microbatches)
+  else:
+    n_ranks = n_stages
+    rank_of = lambda s: s
+    orders = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b,
+              "zb": schedules.zero_bubble}[schedule](n_stages, n_microbatches)
   out: list[Directive] = [split(n_microbatches)]
   for s in range(n_stages):
-    devices = [r * n_stages + s for r in range(dp)]
+    devices = [r * n_ranks + rank_of(s) for r in range(dp)]
     if dp == 1:
       out.append(place({"PP": s}, devices))
     else:
       out.append(replicate({"PP": s}, devices, zero=zero))
-  return out + _SCHEDULES[schedule](n_stages, n_microbatches)
+  return out + orders
