@@ -1,0 +1,125 @@
+"""Every schedule gives one device's numbers; the simulator reproduces the known formulas."""
+
+import json
+
+import jax
+import pytest
+
+import piper_jax as pj
+from piper_jax import ir
+from ir.test_passes import chain_model
+from models import assert_same_run, init_mlp, mlp_loss
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _same(n_stages, directives, batch_size=16):
+  params = init_mlp(jax.random.PRNGKey(0), n_stages)
+  return assert_same_run(mlp_loss(n_stages), params, directives, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("schedule,n_stages,n_ranks", [
+    ("zb", 2, 2), ("zb", 4, 4), ("interleaved", 4, 2), ("interleaved", 8, 4),
+    ("dualpipev", 4, 2), ("dualpipev", 8, 4)])
+def test_schedule_same_numbers(schedule, n_stages, n_ranks):
+  step, _ = _same(n_stages, pj.strategies.pipeline(n_stages, 2 * n_ranks, schedule))
+  assert step.plan.mesh.n_pp == n_ranks
+
+
+@pytest.mark.parametrize("schedule,n_stages", [("zb", 2), ("interleaved", 4), ("dualpipev", 4)])
+@pytest.mark.parametrize("zero", [1, 3])
+def test_schedule_with_dp(schedule, n_stages, zero):
+  _same(n_stages, pj.strategies.pipeline(n_stages, 4, schedule, dp=2, zero=zero), batch_size=16)
+
+
+def test_zero_bubble_splits_backward():
+  step, _ = _same(2, pj.strategies.pipeline(2, 4, "zb"))
+  passes = {t.pass_.value for t in step.plan.tasks.values()}
+  assert passes == {"F", "BI", "BW"}
+
+
+def test_custom_order_from_piper_json(tmp_path):
+  # Stage 0 runs both forwards before any backward; stage 1 alternates.
+  sched = [{"op": "split", "num_microbatches": 2},
+           {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+           {"op": "place", "filter": {"PP": 1}, "devices": [1]},
+           {"op": "order", "filters": [[{"PP": 0, "PASS": "F", "MB": 0}, {"PP": 0, "PASS": "F", "MB": 1}],
+                                       [{"PP": 0, "PASS": "BI", "MB": 1}], [{"PP": 0, "PASS": "BI", "MB": 0}],
+                                       [{"PP": 0, "PASS": "BW", "MB": 0}, {"PP": 0, "PASS": "BW", "MB": 1}]]}]
+  path = tmp_path / "custom.json"
+  path.write_text(json.dumps(sched))
+  step, _ = _same(2, str(path))
+  seq = [t.label for tick in step.plan.ticks for t in tick[0]]
+  assert seq.index("r0BI1") < seq.index("r0BI0")
+
+
+def test_infeasible_custom_order_names_cycle():
+  # BI of stage 0 needs BI of stage 1, which needs F of stage 1, which needs F of stage 0.
+  d = [pj.split(2), pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [1]),
+       pj.order([{"PP": 0, "PASS": "BI", "MB": 0}, {"PP": 0, "PASS": "F", "MB": 1}]),
+       pj.order([{"PP": 1, "PASS": "F", "MB": 1}, {"PP": 1, "PASS": "BI", "MB": 0}])]
+  with pytest.raises(pj.DirectiveError, match=r"directive 4 .*cycle r\d"):
+    _same(2, d)
+
+
+def test_dualpipev_needs_enough_microbatches():
+  with pytest.raises(ValueError, match="n_microbatches >= 2 \\* n_ranks = 4"):
+    pj.schedules.dualpipev(2, 3)
+
+
+def _sim(n_stages, m, schedule, costs, **kw):
+  plan = ir.make_plan(chain_model(n_stages, batch=64), pj.strategies.pipeline(n_stages, m, schedule, **kw),
+                      n_devices=64)
+  return plan.simulate(costs)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (8, 16)])
+def test_simulator_1f1b_and_gpipe_formulas(p, m):
+  r = _sim(p, m, "1f1b", {"F": 1, "B": 2})
+  assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+  assert r.makespan == pytest.approx((m + p - 1) * 3)
+  assert r.peak_activations[0] == min(p, m) and r.peak_activations[p - 1] == 1
+  g = _sim(p, m, "gpipe", {"F": 1, "B": 2})
+  assert g.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+  assert all(v == m for v in g.peak_activations.values())
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_simulator_zero_bubble_h1(p, m):
+  # ZB-H1 (Qi et al.): idle per device (p-1)(F+B-W) with B = BI+BW, at 1F1B's memory.
+  f, bi, bw = 1, 1, 1
+  r = _sim(p, m, "zb", {"F": f, "BI": bi, "BW": bw})
+  assert r.makespan == pytest.approx(m * (f + bi + bw) + (p - 1) * (f + bi + bw - bw))
+  one = _sim(p, m, "1f1b", {"F": f, "BI": bi, "BW": bw})
+  assert r.peak_activations == one.peak_activations
+  assert r.makespan < one.makespan
+
+
+def test_simulator_interleaved_bubble():
+  # Megatron: the bubble shrinks by the number of virtual stages.
+  p, v, m = 4, 2, 8
+  r = _sim(p * v, m, "interleaved", {"F": 1, "B": 2}, n_virtual=v)
+  one = _sim(p, m, "1f1b", {"F": 2, "B": 4})  # same work per rank, one stage each
+  assert r.makespan < one.makespan
+  assert r.makespan == pytest.approx(m * v * 3 + (p - 1) * 3)
+
+
+def test_simulator_dualpipev():
+  # DualPipeV keeps 2*n_ranks + 1 chunk activations at most, and beats 1F1B's bubble.
+  n, m = 4, 16
+  r = _sim(2 * n, m, "dualpipev", {"F": 1, "B": 2})
+  assert max(r.peak_activations.values()) <= 2 * n + 1
+  one = _sim(n, m, "1f1b", {"F": 2, "B": 4})
+  assert r.bubble_fraction < one.bubble_fraction
+
+
+@pytest.mark.parametrize("ext", [".svg", ".png", ".html"])
+def test_timeline_picture(tmp_path, ext):
+  plan = ir.make_plan(chain_model(4, batch=64), pj.strategies.pipeline(4, 4, "zb"), n_devices=4)
+  path = plan.timeline(tmp_path / f"plan{ext}")
+  data = open(path, "rb").read()
+  assert len(data) > 1000
+  if ext != ".png":
+    assert b"<svg" in data and b"rank 0" in data
+  with pytest.raises(ValueError, match="svg, .png or .html"):
+    plan.timeline(tmp_path / "plan.jpg")
