@@ -41,11 +41,17 @@ def simulate(plan, costs: Mapping[str, float]) -> SimReport:
     plan: a `Plan`.
     costs: time per pass, e.g. `{"F": 1, "B": 2}` or `{"F": 1, "BI": 1, "BW": 1}`,
       optionally `"comm"`: the latency of a message between ranks (default 0).
-      A missing "B" is BI + BW; a missing "BI"/"BW" is half of "B".
+      A missing "B" is BI + BW; a missing "BI"/"BW" is half of "B". Or "flops":
+      each task costs its region's matmul FLOPs from the jaxpr (B twice F), in
+      units of the largest region's forward.
 
   Returns:
     A `SimReport`.
   """
+  if isinstance(costs, str):
+    if costs != "flops":
+      raise ValueError(f"costs is a dict of per-pass times or 'flops', got {costs!r}")
+    return _simulate(plan, _flop_costs(plan), 0.0)
   costs = dict(costs)
   if "F" not in costs:
     raise ValueError(f"costs need an 'F' entry, got {costs}")
@@ -56,6 +62,19 @@ def simulate(plan, costs: Mapping[str, float]) -> SimReport:
   costs.setdefault("BI", costs["B"] / 2)
   costs.setdefault("BW", costs["B"] / 2)
   comm = float(costs.get("comm", 0.0))
+  return _simulate(plan, {i: float(costs[t.pass_.value]) for i, t in plan.tasks.items()}, comm)
+
+
+def _flop_costs(plan) -> dict[str, float]:
+  """Task costs from the jaxpr: a region's forward FLOPs for F, twice that for B, once for BI/BW."""
+  scale = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0}
+  flops = {r.index: r.flops for r in plan.model.regions}
+  top = max(flops.values()) or 1.0
+  return {i: scale[t.pass_.value] * max(flops[t.region], 1e-3 * top) / top
+          for i, t in plan.tasks.items()}
+
+
+def _simulate(plan, cost: dict[str, float], comm: float) -> SimReport:
   tasks = plan.tasks
   seq: dict[int, list] = {}
   for tick in plan.ticks:
@@ -77,7 +96,7 @@ def simulate(plan, costs: Mapping[str, float]) -> SimReport:
         ready = max([free[rank]] + [end[p] + (comm if tasks[p].rank != rank else 0.0)
                                     for p in preds])
         start[t.node] = ready
-        end[t.node] = ready + float(costs[t.pass_.value])
+        end[t.node] = ready + cost[t.node]
         free[rank] = end[t.node]
         pos[rank] += 1
         remaining -= 1

@@ -123,3 +123,16 @@ def test_timeline_picture(tmp_path, ext):
     assert b"<svg" in data and b"rank 0" in data
   with pytest.raises(ValueError, match="svg, .png or .html"):
     plan.timeline(tmp_path / "plan.jpg")
+
+
+def test_simulate_with_jaxpr_flops():
+  params = init_mlp(jax.random.PRNGKey(0), 2)
+  from models import optimizer, random_batch
+  step = pj.compile(mlp_loss(2), optimizer(), pj.strategies.pipeline(2, 4, "1f1b"), params,
+                    random_batch(jax.random.PRNGKey(0), 16))
+  r = step.plan.simulate("flops")
+  assert r.makespan > 0 and 0 <= r.bubble_fraction < 1
+  flops = [r.flops for r in step.plan.model.regions]
+  # Per microbatch of 4: region 0 = embedding (2*4*8*16) + stage (2*4*16*16);
+  # region 1 = stage + head (2*4*16*5).
+  assert flops == [2 * 4 * 8 * 16 + 2 * 4 * 16 * 16, 2 * 4 * 16 * 16 + 2 * 4 * 16 * 5]
