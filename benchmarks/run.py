@@ -28,10 +28,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 BASELINES = ("jit-dp", "gspmd-fsdp")
-PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b")
+PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
+         "pp-dualpipev")
 # Which baseline each variant's ratio is taken against.
 BASELINE_OF = {"jit-dp": "jit-dp", "gspmd-fsdp": "gspmd-fsdp", "dp": "jit-dp", "zero1": "jit-dp",
-               "zero2": "jit-dp", "zero3": "gspmd-fsdp", "pp-gpipe": "jit-dp", "pp-1f1b": "jit-dp"}
+               "zero2": "jit-dp", "zero3": "gspmd-fsdp", "pp-gpipe": "jit-dp", "pp-1f1b": "jit-dp",
+               "pp-zb": "jit-dp", "pp-interleaved": "jit-dp", "pp-dualpipev": "jit-dp"}
+# Pipelines run on 2 ranks (x DP over the other devices); interleaved and DualPipeV
+# put two stages on each rank.
+PIPE_STAGES = {"pp-gpipe": 2, "pp-1f1b": 2, "pp-zb": 2, "pp-interleaved": 4, "pp-dualpipev": 4}
 
 
 def _setup_cpu(small: bool):
@@ -71,7 +76,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
 
   devices = jax.devices()
   n = len(devices)
-  n_stages = 2 if variant.startswith("pp-") else 1
+  n_stages = PIPE_STAGES.get(variant, 1)
   config = _config(model, n_stages)
   net = gpt.GPT(config)
   loss_fn = gpt.loss_fn(net)
@@ -107,7 +112,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
     call = step_fn
   else:
     if variant.startswith("pp-"):
-      directives = pj.strategies.pipeline(2, microbatches, schedule=variant[3:], dp=n // 2)
+      directives = pj.strategies.pipeline(n_stages, microbatches, schedule=variant[3:], dp=n // 2)
     else:
       zero = 0 if variant == "dp" else int(variant[-1])
       directives = pj.strategies.data_parallel(n, zero=zero)

@@ -15,11 +15,11 @@ def test_run_small(tmp_path):
   out = tmp_path / "small.json"
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small",
-       "--variants", "jit-dp,zero3,pp-1f1b", "--out", str(out)],
+       "--variants", "jit-dp,zero3,pp-1f1b,pp-dualpipev", "--out", str(out)],
       capture_output=True, text=True, timeout=580)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads(out.read_text())["rows"]
-  assert [r["variant"] for r in rows] == ["jit-dp", "zero3", "pp-1f1b"]
+  assert [r["variant"] for r in rows] == ["jit-dp", "zero3", "pp-1f1b", "pp-dualpipev"]
   for r in rows:
     assert "error" not in r, r
     assert r["tokens_per_s"] > 0 and r["loss"] == r["loss"]
