@@ -369,38 +369,30 @@ class Program:
   def _finish_grads(self, grads: dict) -> dict:
     """Reduces accumulated gradients once and lays them out like the local param buffers."""
     layout = self.layout
-    zero, n_dp = layout.zero, layout.n_dp
     out = {"slots": {}, "shared": {}}
     for dt in layout.dtypes:
-      cols = []
-      for j in range(layout.n_slots):
-        c = layout.chunk.get((j, dt), 0)
-        if not c:
-          continue
-        g = grads.get((j, dt))
-        if g is None:
-          g = jnp.zeros((c if zero >= 2 else n_dp * c,), jnp.dtype(dt))
-        if zero == 0:
-          g = lax.psum(g, "dp").reshape(n_dp, c)
-        elif zero == 1:
-          g = lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, c)
-        else:
-          g = g.reshape(1, c)
-        cols.append(g)
-      rows = n_dp if zero == 0 else 1
+      cols = [self._reduce(grads.get((j, dt)), layout.chunk[(j, dt)], dt)
+              for j in range(layout.n_slots) if layout.chunk.get((j, dt), 0)]
+      rows = layout.n_dp if layout.zero == 0 else 1
       row = jnp.concatenate(cols, axis=1) if cols else jnp.zeros((rows, 0), jnp.dtype(dt))
       pad = layout.width[dt] - row.shape[1]
       out["slots"][dt] = jnp.pad(row, ((0, 0), (0, pad)))[None]
-      c = layout.shared_chunk[dt]
-      g = grads.get((SHARED, dt))
-      if g is None:
-        g = jnp.zeros((c if zero >= 2 else n_dp * c,), jnp.dtype(dt))
-      g = lax.psum(g, "pp")
-      if zero == 0:
-        g = lax.psum(g, "dp").reshape(n_dp, c)
-      elif zero == 1:
-        g = lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, c)
-      else:
-        g = g.reshape(1, c)
-      out["shared"][dt] = g
+      shared = grads.get((SHARED, dt))
+      shared = None if shared is None else lax.psum(shared, "pp")  # tied: summed over ranks
+      out["shared"][dt] = self._reduce(shared, layout.shared_chunk[dt], dt)
     return out
+
+  def _reduce(self, g, chunk: int, dt: str) -> jax.Array:
+    """A segment's gradient, reduced over "dp" as its ZeRO stage says, as [rows, chunk].
+
+    ZeRO-0: all-reduced, every replica keeps all rows; ZeRO-1: reduce-scattered to
+    this replica's chunk; ZeRO-2/3: already reduce-scattered per tick.
+    """
+    zero, n_dp = self.layout.zero, self.layout.n_dp
+    if g is None:
+      g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
+    if zero == 0:
+      return lax.psum(g, "dp").reshape(n_dp, chunk)
+    if zero == 1:
+      return lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, chunk)
+    return g.reshape(1, chunk)
