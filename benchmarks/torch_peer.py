@@ -262,6 +262,9 @@ def run_variant(args, variant: str, model: str, use_cuda: bool, n_gpus: int):
     world = n_gpus if use_cuda else 2
   if use_cuda and world > n_gpus:
     return error(f"needs {world} GPUs, found {n_gpus}")
+  split = world if variant == "ddp" else args.microbatches
+  if args.batch % split:
+    return error(f"batch {args.batch} does not split into {split} equal parts")
   os.environ["MASTER_ADDR"] = "127.0.0.1"
   os.environ["MASTER_PORT"] = str(_free_port())
   fd, out_path = tempfile.mkstemp(suffix=".json")
@@ -275,8 +278,8 @@ def run_variant(args, variant: str, model: str, use_cuda: bool, n_gpus: int):
     while not ctx.join(timeout=5):
       if time.time() > deadline:
         for p in ctx.processes:
-          if p.is_alive():
-            p.kill()
+          p.kill()
+          p.join()
         return error(f"timed out after {args.timeout}s")
     with open(out_path) as f:
       return json.load(f)
@@ -284,8 +287,8 @@ def run_variant(args, variant: str, model: str, use_cuda: bool, n_gpus: int):
     msg = str(e)
     if "out of memory" in msg.lower() or "OutOfMemoryError" in msg:
       return error("out of memory")
-    lines = [l for l in msg.strip().splitlines() if l.strip()]
-    return error(" | ".join(lines[-3:]) or type(e).__name__)
+    lines = [l.strip() for l in msg.strip().splitlines() if l.strip()]
+    return error(lines[-1] if lines else type(e).__name__)
   finally:
     os.remove(out_path)
 

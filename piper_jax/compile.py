@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -20,11 +20,32 @@ from piper_jax.lowering.trace import trace_loss
 __all__ = ["TrainState", "TrainStep", "compile"]
 
 
-class TrainState(NamedTuple):
-  """Packed, partitioned parameters and the optimizer state over them."""
+@jax.tree_util.register_pytree_node_class
+class TrainState:
+  """Packed, partitioned parameters and the optimizer state over them.
 
-  params: dict
-  opt_state: Any
+  A pytree of `jax.Array`s whose shards show the partitioning; it remembers the
+  `TrainStep` that made it (static, not a leaf) so that checkpoints can write the
+  canonical layout.
+  """
+
+  __slots__ = ("params", "opt_state", "owner")
+
+  def __init__(self, params: dict, opt_state: Any, owner: "TrainStep | None" = None):
+    self.params, self.opt_state, self.owner = params, opt_state, owner
+
+  def tree_flatten(self):
+    return (self.params, self.opt_state), self.owner
+
+  @classmethod
+  def tree_unflatten(cls, owner, children):
+    return cls(*children, owner)
+
+  def __iter__(self):
+    return iter((self.params, self.opt_state))
+
+  def __repr__(self):
+    return f"TrainState(params={self.params!r}, opt_state={self.opt_state!r})"
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -85,14 +106,14 @@ class TrainStep:
       opt_spec_of.setdefault(s.shape, P("dp" if zero >= 1 else None, None))
     opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
     self._opt_shardings = to_sharding(opt_specs)
-    self._state_shardings = TrainState(self._param_shardings, self._opt_shardings)
+    self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
     self._batch_sharding = NamedSharding(self.mesh, P("dp"))
     replicated = NamedSharding(self.mesh, P())
 
     def step_fn(state: TrainState, batch: list):
       grads, loss = body(state.params, batch)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
+      return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
 
     self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
                          out_shardings=(self._state_shardings, replicated), donate_argnums=0)
@@ -109,7 +130,7 @@ class TrainStep:
       raise ValueError(f"params have structure {tree}, but the step was compiled for "
                        f"{self._traced.param_tree}")
     buffers = self._pack(leaves)
-    return TrainState(buffers, self._opt_init(buffers))
+    return TrainState(buffers, self._opt_init(buffers), self)
 
   def _batch_leaves(self, batch) -> list:
     leaves, tree = jax.tree_util.tree_flatten(batch)
@@ -134,6 +155,43 @@ class TrainStep:
   def params(self, state: TrainState) -> Any:
     """The parameters as the user's original pytree, gathered."""
     return jax.tree_util.tree_unflatten(self._traced.param_tree, self._unpack(state.params))
+
+  # -- the canonical layout (checkpoints) ---------------------------------------
+
+  def canonical(self, state: TrainState) -> dict:
+    """`{"params": ..., "opt_state": ...}` in the user's pytree layout, whatever the strategy.
+
+    Optimizer-state entries shaped like the parameter buffers (adam's mu, nu, ...)
+    become parameter pytrees; the rest (counts) stay as they are.
+    """
+    opt = jax.tree_util.tree_map(lambda b: self.params(TrainState(b, None)) if _is_buffers(b) else b,
+                                 state.opt_state, is_leaf=_is_buffers)
+    return {"params": self.params(state), "opt_state": opt}
+
+  def from_canonical(self, tree: dict) -> TrainState:
+    """The inverse of `canonical`, partitioned for this step's strategy."""
+    outer = jax.tree_util.tree_structure(self._opt_shardings, is_leaf=_is_buffers)
+    parts = outer.flatten_up_to(tree["opt_state"])
+    shards = outer.flatten_up_to(self._opt_shardings)
+    pack = lambda x, sh: jax.jit(self._layout.pack, out_shardings=sh)(jax.tree_util.tree_leaves(x))
+    opt = [pack(x, sh) if _is_buffers(sh) else jax.device_put(x, sh) for x, sh in zip(parts, shards)]
+    leaves = jax.tree_util.tree_leaves(tree["params"])
+    return TrainState(self._pack(leaves), outer.unflatten(opt), self)
+
+  def canonical_shapes(self) -> dict:
+    """Shapes and dtypes of `canonical(state)` (replicated on this step's mesh), for restoring."""
+    replicated = NamedSharding(self.mesh, P())
+    to_sds = lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=replicated)
+    params = jax.tree_util.tree_unflatten(
+        self._traced.param_tree, [to_sds(x) for _, x in self._traced.param_leaves])
+    opt_shapes = jax.eval_shape(self.optimizer.init, self._layout.shapes())
+    opt = jax.tree_util.tree_map(lambda b: params if _is_buffers(b) else to_sds(b), opt_shapes,
+                                 is_leaf=_is_buffers)
+    return {"params": params, "opt_state": opt}
+
+
+def _is_buffers(x) -> bool:
+  return isinstance(x, dict) and set(x) == {"slots", "shared"}
 
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
