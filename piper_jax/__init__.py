@@ -1,6 +1,6 @@
 """piper-jax: a programmable distributed-training compiler for JAX."""
 
-from piper_jax import checkpoint, schedules, strategies, viz
+from piper_jax import checkpoint, distributed, schedules, strategies, viz
 from piper_jax.annotate import annotate
 from piper_jax.compile import TrainState, TrainStep, compile
 from piper_jax.ir.directives import (Directive, Order, Place, Replicate, Shard, ShardTensor, Split,
@@ -36,4 +36,5 @@ __all__ = [
     "strategies",
     "viz",
     "checkpoint",
+    "distributed",
 ]

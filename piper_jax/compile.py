@@ -119,7 +119,7 @@ class TrainStep:
                          out_shardings=(self._state_shardings, replicated), donate_argnums=0)
     self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
     self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
-    self._unpack = jax.jit(layout.unpack)
+    self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
 
   # -- public API ---------------------------------------------------------------
 
@@ -133,16 +133,27 @@ class TrainStep:
     return TrainState(buffers, self._opt_init(buffers), self)
 
   def _batch_leaves(self, batch) -> list:
+    """Batch leaves as global arrays; with several processes, host data is this process's rows."""
     leaves, tree = jax.tree_util.tree_flatten(batch)
     if tree != self._traced.batch_tree:
       raise ValueError(f"batch has structure {tree}, but the step was compiled for "
                        f"{self._traced.batch_tree}")
+    n_proc = jax.process_count()
+    out = []
     for x, spec in zip(leaves, self._traced.spec.batch):
       want = (self.batch_size,) + spec.shape[1:]
-      if tuple(np.shape(x)) != want:
+      if n_proc > 1 and not (isinstance(x, jax.Array) and tuple(x.shape) == want):
+        local = (self.batch_size // n_proc,) + spec.shape[1:]
+        if tuple(np.shape(x)) != local:
+          raise ValueError(f"batch leaf {spec.name!r} has shape {tuple(np.shape(x))}: with "
+                           f"{n_proc} processes pass this process's {local[0]} rows, shape "
+                           f"{local}, or a global jax.Array of shape {want}")
+        x = jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(x), want)
+      elif tuple(np.shape(x)) != want:
         raise ValueError(f"batch leaf {spec.name!r} has shape {tuple(np.shape(x))}, the step "
                          f"was compiled for {want}")
-    return leaves
+      out.append(x)
+    return out
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
     """One training step: returns the new state and the mean loss over the batch."""
