@@ -46,9 +46,13 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.append(_REPO)
 
+import json
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 import piper_jax as pj
 
@@ -57,7 +61,8 @@ try:
 except ImportError:
   import gpt  # run as a script: examples/ is on sys.path
 
-STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b")
+STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
+              "pp-dualpipev")
 
 
 class UsageError(ValueError):
@@ -82,6 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--data", default="stdlib",
+                 help="a text file or folder to train a byte-level model on; 'stdlib' "
+                      "(default) is the Python standard library's source; 'synthetic' a "
+                      "learnable random walk")
+  p.add_argument("--metrics", default=None, help="append per-step metrics to this JSONL file")
+  p.add_argument("--ckpt-dir", default=None, help="checkpoint folder (orbax)")
+  p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: at the end)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the newest checkpoint in --ckpt-dir (any strategy)")
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
   return p.parse_args(argv)
 
 
@@ -115,23 +130,70 @@ def build_strategy(args, n_devices: int):
   return directives, n_used, args.stages
 
 
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss stopped being finite; the last good checkpoint is kept."""
+
+
+def load_corpus(spec: str, max_bytes: int = 8 << 20) -> np.ndarray:
+  """Bytes of a text file, of every .py/.txt/.md file under a folder, or of the stdlib."""
+  if spec == "stdlib":
+    spec = os.path.dirname(os.__file__)
+  if os.path.isfile(spec):
+    with open(spec, "rb") as f:
+      data = f.read(max_bytes)
+  elif os.path.isdir(spec):
+    chunks, total = [], 0
+    for root, dirs, files in os.walk(spec):
+      dirs.sort()
+      for name in sorted(files):
+        if name.endswith((".py", ".txt", ".md", ".rst")) and total < max_bytes:
+          with open(os.path.join(root, name), "rb") as f:
+            chunks.append(f.read(max_bytes - total))
+          total += len(chunks[-1])
+    data = b"".join(chunks)
+  else:
+    raise UsageError(f"--data {spec!r} is neither a file nor a folder")
+  if len(data) < 4096:
+    raise UsageError(f"--data {spec!r} holds only {len(data)} bytes; give more text")
+  return np.frombuffer(data, np.uint8)
+
+
+def text_batch(corpus: np.ndarray, seq_len: int, batch: int, seed: int, step: int) -> dict:
+  """Random windows of the corpus, the same for the same (seed, step) on every run."""
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(corpus) - seq_len - 1, size=batch)
+  windows = np.stack([corpus[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+  return {"tokens": windows[:, :-1], "targets": windows[:, 1:]}
+
+
 def main(argv=None) -> dict:
   """Runs the training job; returns {"losses", "tokens_per_s", "step", "state"}."""
   args = parse_args(argv)
   devices = jax.devices()
   directives, n_used, n_stages = build_strategy(args, len(devices))
   devices = devices[:n_used]
+  if (args.resume or args.ckpt_every) and not args.ckpt_dir:
+    raise UsageError("--resume and --ckpt-every need --ckpt-dir")
 
   dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+  overrides = {} if args.data == "synthetic" else {"vocab_size": 256}
   try:
-    config = gpt.get_config(args.model, n_stages=n_stages, dtype=dtype)
+    config = gpt.get_config(args.model, n_stages=n_stages, dtype=dtype, **overrides)
   except ValueError as e:
     raise UsageError(f"--stages {n_stages}: {e}") from e
   model = gpt.GPT(config)
   rng = jax.random.PRNGKey(args.seed)
   params = gpt.init_params(model, rng)
-  data_rng = jax.random.fold_in(rng, 1)
-  batch = gpt.random_batch(config, data_rng, args.batch)
+  if args.data == "synthetic":
+    data_rng = jax.random.fold_in(rng, 1)
+    get_batch = lambda i: jax.device_get(gpt.random_batch(
+        config, jax.random.fold_in(data_rng, i), args.batch))
+  else:
+    corpus = load_corpus(args.data)
+    get_batch = lambda i: text_batch(corpus, config.seq_len, args.batch, args.seed, i)
   optimizer = optax.chain(
       optax.clip_by_global_norm(1.0), optax.adamw(args.lr))
 
@@ -139,35 +201,66 @@ def main(argv=None) -> dict:
         f"({devices[0].platform})")
   print(f"model: {args.model}, {gpt.count_params(params) / 1e6:.2f}M params, "
         f"{config.n_layers} layers in {config.n_stages} stage(s), {args.dtype}")
-  print(f"strategy: {args.strategy}")
+  print(f"strategy: {args.strategy}; data: {args.data}")
 
-  step = pj.compile(gpt.loss_fn(model), optimizer, directives, params, batch,
+  step = pj.compile(gpt.loss_fn(model), optimizer, directives, params, get_batch(0),
                     devices=devices)
   print(step.plan)
-  state = step.init(params)
+  first = 0
+  if args.resume and pj.checkpoint.latest_step(args.ckpt_dir) is not None:
+    state = pj.checkpoint.restore(args.ckpt_dir, step)
+    first = pj.checkpoint.latest_step(args.ckpt_dir)
+    print(f"resumed from step {first} in {args.ckpt_dir}")
+  else:
+    state = step.init(params)
 
   tokens_per_step = args.batch * config.seq_len
-  losses, times = [], []
-  for i in range(args.steps):
-    if i > 0:
-      batch = jax.block_until_ready(gpt.random_batch(
-          config, jax.random.fold_in(data_rng, i), args.batch))
-    start = time.perf_counter()
-    state, loss = step(state, batch)
-    loss = float(jax.block_until_ready(loss))
-    elapsed = time.perf_counter() - start
-    losses.append(loss)
-    if i == 0:
-      print(f"step {i:4d}  loss {loss:.4f}  (compile + run {elapsed:.1f}s)")
-    else:
-      times.append(elapsed)
-      print(f"step {i:4d}  loss {loss:.4f}  "
-            f"{tokens_per_step / elapsed:,.0f} tok/s")
+  peak = next((v for k, v in PEAK_FLOPS.items() if k in devices[0].device_kind), None)
+  flops = gpt.flops_per_token(config)
+  metrics = open(args.metrics, "a") if args.metrics else None
+  bar = None if args.quiet else tqdm(total=args.steps, initial=first, unit="step",
+                                     dynamic_ncols=True)
+  losses, times, saved = [], [], first
+  try:
+    for i in range(first, args.steps):
+      batch = get_batch(i)
+      start = time.perf_counter()
+      state, loss = step(state, batch)
+      loss = float(jax.block_until_ready(loss))
+      elapsed = time.perf_counter() - start
+      if not np.isfinite(loss):
+        where = f"step {saved} in {args.ckpt_dir}" if args.ckpt_dir and saved else "none"
+        raise TrainingDiverged(f"loss is {loss} at step {i + 1}; stopped. Last good "
+                               f"checkpoint: {where}")
+      losses.append(loss)
+      tps = tokens_per_step / elapsed
+      if i > first:
+        times.append(elapsed)
+      mfu = flops * tps / (peak * len(devices)) if peak else None
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}",
+                        **({"mfu": f"{100 * mfu:.1f}%"} if mfu else {}))
+      else:
+        print(f"step {i + 1:5d}  loss {loss:.4f}  {tps:,.0f} tok/s")
+      if metrics:
+        metrics.write(json.dumps({"step": i + 1, "loss": loss, "tokens_per_s": tps,
+                                  "mfu": mfu, "seconds": elapsed}) + "\n")
+        metrics.flush()
+      done = i + 1
+      if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
+                            or done == args.steps):
+        pj.checkpoint.save(args.ckpt_dir, state, step=done)
+        saved = done
+  finally:
+    if bar is not None:
+      bar.close()
+    if metrics:
+      metrics.close()
 
   tokens_per_s = tokens_per_step * len(times) / sum(times) if times else None
   if tokens_per_s is not None:
-    print(f"mean throughput (steps 1-{args.steps - 1}): "
-          f"{tokens_per_s:,.0f} tok/s")
+    print(f"mean throughput (after the first step): {tokens_per_s:,.0f} tok/s")
   return {"losses": losses, "tokens_per_s": tokens_per_s, "step": step,
           "state": state}
 
@@ -175,5 +268,5 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
   try:
     main()
-  except UsageError as e:
+  except (UsageError, TrainingDiverged) as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
