@@ -2,7 +2,7 @@
 
 from piper_jax import checkpoint, distributed, schedules, strategies, viz
 from piper_jax.annotate import annotate
-from piper_jax.compile import TrainState, TrainStep, compile
+from piper_jax.compile import TrainState, TrainStep, compile, plan
 from piper_jax.ir.directives import (Directive, Order, Place, Replicate, Shard, ShardTensor, Split,
                                      dump_directives, load_directives, order, place, replicate,
                                      shard, shard_tensor, split)
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "annotate",
     "compile",
+    "plan",
     "TrainStep",
     "TrainState",
     "place",

@@ -17,7 +17,7 @@ from piper_jax.lowering.layout import ParamLayout
 from piper_jax.lowering.program import Program
 from piper_jax.lowering.trace import trace_loss
 
-__all__ = ["TrainState", "TrainStep", "compile"]
+__all__ = ["TrainState", "TrainStep", "compile", "plan"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -55,6 +55,35 @@ def _shard_map(fn, mesh, in_specs, out_specs):
     return compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
+def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
+  """Traces the loss, plans it, and re-traces at the microbatch size the plan implies."""
+  traced = trace_loss(loss_fn, params, example_batch)
+  plan = make_plan(traced.spec, directives, n_devices)
+  batch_size = traced.spec.batch_size
+  mbs = batch_size // (plan.mesh.n_dp * plan.n_microbatches)
+  if mbs != batch_size:
+    mb_batch = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((mbs,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
+        example_batch)
+    full = traced
+    traced = trace_loss(loss_fn, params, mb_batch)
+    if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
+      raise ValueError("the model's regions depend on the batch size; annotate regions the "
+                       "same way for every batch size")
+    plan = make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
+  return traced, plan
+
+
+def plan(loss_fn: Callable, directives, params: Any, example_batch: Any, n_devices: int) -> Plan:
+  """Builds and checks the plan of a strategy without devices (shapes are enough).
+
+  `params` and `example_batch` may be `jax.ShapeDtypeStruct` pytrees; nothing is
+  compiled or placed, so plans for thousands of devices can be checked and
+  simulated (`.simulate(costs)`, `.timeline(path)`) on one CPU.
+  """
+  return _traced_plan(loss_fn, load_directives(directives), params, example_batch, n_devices)[1]
+
+
 class TrainStep:
   """A compiled training step. `init(params) -> state`, `step(state, batch) -> (state, loss)`."""
 
@@ -64,20 +93,8 @@ class TrainStep:
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
     self.optimizer = optimizer
-    traced = trace_loss(loss_fn, params, example_batch)
-    plan = make_plan(traced.spec, self.directives, len(self.devices))
-    batch_size = traced.spec.batch_size
-    mbs = batch_size // (plan.mesh.n_dp * plan.n_microbatches)
-    if mbs != batch_size:
-      mb_batch = jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct((mbs,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
-          example_batch)
-      full = traced
-      traced = trace_loss(loss_fn, params, mb_batch)
-      if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
-        raise ValueError("the model's regions depend on the batch size; annotate regions the "
-                         "same way for every batch size")
-      plan = make_plan(traced.spec, self.directives, len(self.devices), global_batch=batch_size)
+    traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch, len(self.devices))
+    batch_size = traced.spec.batch_size * plan.mesh.n_dp * plan.n_microbatches
     self.plan: Plan = plan
     self.batch_size = batch_size
     self._traced = traced
@@ -120,6 +137,7 @@ class TrainStep:
     self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
     self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
     self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
+    self._to_canonical = None
 
   # -- public API ---------------------------------------------------------------
 
@@ -169,15 +187,32 @@ class TrainStep:
 
   # -- the canonical layout (checkpoints) ---------------------------------------
 
+  def _canonical_shardings(self) -> list[NamedSharding]:
+    """Per parameter leaf: sharded over all the step's devices along its first dimension
+    that divides evenly (replicated when none does), so that each process holds and
+    writes only its part of a checkpoint."""
+    n = self.mesh.devices.size
+    out = []
+    for _, x in self._traced.param_leaves:
+      shape = np.shape(x)
+      axis = next((i for i, d in enumerate(shape) if d % n == 0), None)
+      spec = P() if axis is None else P(*([None] * axis + [("dp", "pp")]))
+      out.append(NamedSharding(self.mesh, spec))
+    return out
+
   def canonical(self, state: TrainState) -> dict:
     """`{"params": ..., "opt_state": ...}` in the user's pytree layout, whatever the strategy.
 
     Optimizer-state entries shaped like the parameter buffers (adam's mu, nu, ...)
-    become parameter pytrees; the rest (counts) stay as they are.
+    become parameter pytrees; the rest (counts) stay as they are. Leaves are
+    sharded over the step's devices (see `_canonical_shardings`).
     """
-    opt = jax.tree_util.tree_map(lambda b: self.params(TrainState(b, None)) if _is_buffers(b) else b,
+    if self._to_canonical is None:
+      self._to_canonical = jax.jit(self._layout.unpack, out_shardings=self._canonical_shardings())
+    tree = lambda b: jax.tree_util.tree_unflatten(self._traced.param_tree, self._to_canonical(b))
+    opt = jax.tree_util.tree_map(lambda b: tree(b) if _is_buffers(b) else b,
                                  state.opt_state, is_leaf=_is_buffers)
-    return {"params": self.params(state), "opt_state": opt}
+    return {"params": tree(state.params), "opt_state": opt}
 
   def from_canonical(self, tree: dict) -> TrainState:
     """The inverse of `canonical`, partitioned for this step's strategy."""
@@ -192,12 +227,13 @@ class TrainStep:
   def canonical_shapes(self) -> dict:
     """Shapes and dtypes of `canonical(state)` (replicated on this step's mesh), for restoring."""
     replicated = NamedSharding(self.mesh, P())
-    to_sds = lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=replicated)
+    sds = lambda x, sh: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=sh)
     params = jax.tree_util.tree_unflatten(
-        self._traced.param_tree, [to_sds(x) for _, x in self._traced.param_leaves])
+        self._traced.param_tree,
+        [sds(x, sh) for (_, x), sh in zip(self._traced.param_leaves, self._canonical_shardings())])
     opt_shapes = jax.eval_shape(self.optimizer.init, self._layout.shapes())
-    opt = jax.tree_util.tree_map(lambda b: params if _is_buffers(b) else to_sds(b), opt_shapes,
-                                 is_leaf=_is_buffers)
+    opt = jax.tree_util.tree_map(lambda b: params if _is_buffers(b) else sds(b, replicated),
+                                 opt_shapes, is_leaf=_is_buffers)
     return {"params": params, "opt_state": opt}
 
 

@@ -45,6 +45,10 @@ def test_canonical_layout_is_the_users_pytree():
   assert jax.tree_util.tree_structure(canon["params"]) == jax.tree_util.tree_structure(params)
   mu = canon["opt_state"][0].mu
   assert jax.tree_util.tree_structure(mu) == jax.tree_util.tree_structure(params)
+  # Each device holds (and a process writes) only its part of a checkpointed leaf.
+  embed = canon["params"]["embed"]
+  assert not embed.sharding.is_fully_replicated
+  assert {s.data.shape for s in embed.addressable_shards} == {(4, 16)}
 
 
 def test_restore_missing_directory(tmp_path):

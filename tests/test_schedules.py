@@ -136,3 +136,19 @@ def test_simulate_with_jaxpr_flops():
   # Per microbatch of 4: region 0 = embedding (2*4*8*16) + stage (2*4*16*16);
   # region 1 = stage + head (2*4*16*5).
   assert flops == [2 * 4 * 8 * 16 + 2 * 4 * 16 * 16, 2 * 4 * 16 * 16 + 2 * 4 * 16 * 5]
+
+
+def test_plan_for_1024_devices_from_shapes_only():
+  import time
+
+  from examples import gpt
+  config = gpt.get_config("1.3b", n_stages=8)
+  net = gpt.GPT(config)
+  params = jax.eval_shape(lambda: gpt.init_params(net, jax.random.PRNGKey(0)))
+  batch = jax.eval_shape(lambda: gpt.random_batch(config, jax.random.PRNGKey(0), 2048))
+  t0 = time.time()
+  plan = pj.plan(gpt.loss_fn(net), pj.strategies.pipeline(8, 16, "1f1b", dp=128, zero=1), params,
+                 batch, n_devices=1024)
+  report = plan.simulate("flops")
+  assert plan.mesh.n_dp == 128 and plan.mesh.n_pp == 8 and report.makespan > 0
+  assert time.time() - t0 < 60
