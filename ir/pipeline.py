@@ -14,6 +14,7 @@ from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.passes import (apply_order, insert_collectives, insert_send_recv, place_nodes,
                                  split_backward, split_microbatches)
 from piper_jax.ir.plan import Plan
+from piper_jax.ir.verify import verify
 
 __all__ = ["make_plan"]
 
@@ -57,12 +58,14 @@ def _num_microbatches(model: ModelSpec, directives: Sequence[Directive]) -> int:
 
 
 def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
-              global_batch: int | None = None) -> Plan:
+              global_batch: int | None = None, check: bool = False) -> Plan:
   """Builds the global DAG of `model`, rewrites it with `directives` and orders it per device.
 
   Pass order: split, BI/BW split (when a filter names BI or BW), place/replicate, mesh check, send/recv, collectives, order.
   Raises `DirectiveError` (naming the directive) or `PlanError` for bad input.
+  With `check`, `verify` runs after every pass and names the pass that broke it.
   """
+  check_ = (lambda g, after, **kw: verify(g, after, **kw)) if check else (lambda g, after, **kw: g)
   directives = list(directives)
   for i, d in enumerate(directives):
     if not isinstance(d, Directive):
@@ -72,9 +75,10 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
                            i, d)
   n_mb = _num_microbatches(model, directives)
   _check_filters(model, directives, n_mb)
-  graph = split_microbatches(build_graph(model), n_mb)
+  graph = check_(build_graph(model), "build_graph")
+  graph = check_(split_microbatches(graph, n_mb), "split_microbatches")
   if any(t == "PASS" and v in ("BI", "BW") for d in directives for f in _filters(d) for t, v in f):
-    graph = split_backward(graph)
+    graph = check_(split_backward(graph), "split_backward")
   for i, d in enumerate(directives):
     if not isinstance(d, Split):
       for f in _filters(d):
@@ -84,13 +88,15 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
       graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, (Place, Replicate))],
       n_devices)
   mesh = derive_mesh(graph, placed_by, directives)
+  graph = check_(graph, "place_nodes", placed=True)
   batch = model.batch_size if global_batch is None else global_batch
   if batch % (mesh.n_dp * n_mb):
     idx = next((i for i, d in enumerate(directives) if isinstance(d, Split)), None)
     msg = (f"the batch of {batch} does not divide into {mesh.n_dp} data-parallel replicas x "
            f"{n_mb} microbatches; pick a batch size divisible by {mesh.n_dp * n_mb}")
     raise DirectiveError(msg, idx, directives[idx] if idx is not None else None)
-  graph = insert_send_recv(graph)
-  graph = insert_collectives(graph, model, mesh)
-  graph = apply_order(graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)])
+  graph = check_(insert_send_recv(graph), "insert_send_recv", placed=True, cut=True)
+  graph = check_(insert_collectives(graph, model, mesh), "insert_collectives", placed=True, cut=True)
+  graph = check_(apply_order(graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)]),
+                 "apply_order", placed=True, cut=True)
   return Plan(graph, model, mesh, n_mb)

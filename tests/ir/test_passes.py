@@ -100,3 +100,21 @@ def test_plans_for_many_devices_without_devices():
                       n_devices=1024)
   assert plan.mesh.n_dp == 128 and plan.mesh.n_pp == 8
   assert time.time() - t0 < 30
+
+
+@pytest.mark.parametrize("schedule,n_stages", [("gpipe", 2), ("1f1b", 4), ("zb", 4),
+                                                ("interleaved", 4), ("dualpipev", 4)])
+@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 1), (2, 3)])
+def test_every_pass_keeps_the_invariants(schedule, n_stages, dp, zero):
+  import piper_jax as pj
+  plan = ir.make_plan(chain_model(n_stages, batch=64, tied=True),
+                      pj.strategies.pipeline(n_stages, 4, schedule, dp=dp, zero=zero),
+                      n_devices=16, check=True)
+  assert plan.ticks
+
+
+def test_verify_names_the_pass():
+  from piper_jax.ir.verify import verify
+  g = ir.Graph([ir.Node("a", NodeKind.COMPUTE, 0, pass_=Pass.F)], [])
+  with pytest.raises(ir.PlanError, match="after pass 'place_nodes': node r0F has no devices"):
+    verify(g, "place_nodes", placed=True)
