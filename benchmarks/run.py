@@ -166,7 +166,8 @@ def _child(args, variant, model):
   return {"variant": variant, "model": model, "error": err[:300], "wall_s": time.time() - t0}
 
 
-def table(rows) -> str:
+def table(rows, baseline_of=BASELINE_OF.get) -> str:
+  """A markdown table of result rows; `baseline_of(variant)` names the row each ratio is against."""
   head = "| model | variant | devices | step ms | tok/s | vs baseline | MFU | peak GiB | compile s |"
   lines = [head, "|" + "---|" * 9]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
@@ -174,8 +175,9 @@ def table(rows) -> str:
     if "error" in r:
       lines.append(f"| {r['model']} | {r['variant']} | | | {r['error']} | | | | |")
       continue
-    b = base.get((r["model"], BASELINE_OF[r["variant"]]))
-    ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {BASELINE_OF[r['variant']]}" if b else "-"
+    name = baseline_of(r["variant"])
+    b = base.get((r["model"], name))
+    ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {name}" if b else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
     lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | "

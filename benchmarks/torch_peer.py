@@ -294,20 +294,10 @@ def run_variant(args, variant: str, model: str, use_cuda: bool, n_gpus: int):
 
 
 def table(rows) -> str:
-  head = "| model | variant | devices | step ms | tok/s | vs ddp | MFU | peak GiB | compile s |"
-  lines = [head, "|" + "---|" * 9]
-  base = {r["model"]: r for r in rows if r["variant"] == "ddp" and "error" not in r}
-  for r in rows:
-    if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | | {r['error']} | | | | |")
-      continue
-    b = base.get(r["model"])
-    ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x ddp" if b else "-"
-    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-    peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | "
-                 f"{r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {mfu} | {peak} | {r['compile_s']:.1f} |")
-  return "\n".join(lines)
+  """The table of benchmarks/run.py, with every ratio against the DDP row."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from run import table as run_table
+  return run_table(rows, baseline_of=lambda variant: "ddp")
 
 
 def main(argv=None):
