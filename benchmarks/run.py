@@ -3,6 +3,14 @@
   python benchmarks/run.py                  # both GPT configs, every variant, on all GPUs
   python benchmarks/run.py --model 268m --variants jit-dp,dp,pp-1f1b
   python benchmarks/run.py --small          # tiny model on 8 CPU devices (CI)
+  python benchmarks/run.py --model 1.3b --pp 4 --variants jit-dp,pp-1f1b@z1,pp-zb@z3
+
+Pipeline variants are pp-SCHEDULE (gpipe, 1f1b, zb, interleaved, dualpipev) over
+`--pp` ranks, times data parallel over the other devices, with `@zK` for ZeRO-K on
+the data-parallel axis (default `--zero`). Interleaved and DualPipeV hold two stages
+per rank. Each pipeline row also gives the simulator's prediction (`plan.simulate`
+with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row of
+the same run: predicted = DP step time x makespan / (work per rank).
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -31,12 +39,24 @@ BASELINES = ("jit-dp", "gspmd-fsdp")
 PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
          "pp-dualpipev")
 # Which baseline each variant's ratio is taken against.
-BASELINE_OF = {"jit-dp": "jit-dp", "gspmd-fsdp": "gspmd-fsdp", "dp": "jit-dp", "zero1": "jit-dp",
-               "zero2": "jit-dp", "zero3": "gspmd-fsdp", "pp-gpipe": "jit-dp", "pp-1f1b": "jit-dp",
-               "pp-zb": "jit-dp", "pp-interleaved": "jit-dp", "pp-dualpipev": "jit-dp"}
-# Pipelines run on 2 ranks (x DP over the other devices); interleaved and DualPipeV
-# put two stages on each rank.
-PIPE_STAGES = {"pp-gpipe": 2, "pp-1f1b": 2, "pp-zb": 2, "pp-interleaved": 4, "pp-dualpipev": 4}
+_BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
+# Stages per pipeline rank.
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
+
+
+def BASELINE_OF(variant: str) -> str:
+  """The plain-JAX row a variant's ratio is taken against."""
+  return _BASELINE.get(variant, "jit-dp")
+
+
+def parse_pipeline(variant: str, default_zero: int) -> tuple[str, int] | None:
+  """"pp-1f1b@z3" -> ("1f1b", 3); None for variants that are not pipelines."""
+  if not variant.startswith("pp-"):
+    return None
+  name, _, zero = variant[3:].partition("@z")
+  if name not in STAGES_PER_RANK:
+    raise ValueError(f"unknown pipeline schedule in {variant!r}; use one of {list(STAGES_PER_RANK)}")
+  return name, int(zero) if zero else default_zero
 
 
 def _setup_cpu(small: bool):
@@ -50,7 +70,7 @@ def _config(model: str, n_stages: int):
   import jax.numpy as jnp
   from examples import gpt
   if model == "tiny":
-    return gpt.get_config("tiny", n_stages=n_stages)
+    return gpt.get_config("tiny", n_stages=n_stages, n_layers=max(4, n_stages))
   return gpt.get_config(model, n_stages=n_stages, dtype=jnp.bfloat16, param_dtype=jnp.float32)
 
 
@@ -64,7 +84,8 @@ def _fsdp_spec(x, n):
   return P()
 
 
-def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int):
+def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
+                pp: int = 2, zero: int = 0):
   """Runs one variant in this process; returns its row."""
   import jax
   import numpy as np
@@ -76,7 +97,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
 
   devices = jax.devices()
   n = len(devices)
-  n_stages = PIPE_STAGES.get(variant, 1)
+  pipe = parse_pipeline(variant, zero)
+  n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
   config = _config(model, n_stages)
   net = gpt.GPT(config)
   loss_fn = gpt.loss_fn(net)
@@ -84,6 +106,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   tx = optax.adamw(1e-4, weight_decay=0.1)
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
   tokens = batch * config.seq_len
+  sim = {}
 
   if variant in BASELINES:
     mesh = Mesh(np.array(devices), ("d",))
@@ -111,14 +134,20 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
     batches = [jax.device_put(b, bsh) for b in batches]
     call = step_fn
   else:
-    if variant.startswith("pp-"):
-      directives = pj.strategies.pipeline(n_stages, microbatches, schedule=variant[3:], dp=n // 2)
+    if pipe:
+      directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
+                                          zero=pipe[1])
     else:
       zero = 0 if variant == "dp" else int(variant[-1])
       directives = pj.strategies.data_parallel(n, zero=zero)
     step = pj.compile(loss_fn, tx, directives, params, batches[0])
     state = step.init(params)
     call = step
+    if pipe:
+      report = step.plan.simulate("flops")
+      work = sum(t.cost for t in step.plan.tasks.values()) / step.plan.n_ranks
+      sim = {"sim_makespan": report.makespan, "sim_work_per_rank": work,
+             "sim_bubble": report.bubble_fraction}
   del params
 
   t0 = time.perf_counter()
@@ -146,13 +175,14 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
           "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": mfu,
           "peak_gib": peak / 2**30 if peak else None, "compile_s": max(first - step_s, 0.0),
-          "loss": float(loss)}
+          "loss": float(loss), **sim}
 
 
 def _child(args, variant, model):
   cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--model", model,
          "--batch", str(args.batch), "--microbatches", str(args.microbatches),
-         "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
+         "--steps", str(args.steps), "--warmup", str(args.warmup), "--pp", str(args.pp),
+         "--zero", str(args.zero)] + (["--small"] if args.small else [])
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   t0 = time.time()
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -166,21 +196,31 @@ def _child(args, variant, model):
   return {"variant": variant, "model": model, "error": err[:300], "wall_s": time.time() - t0}
 
 
-def table(rows, baseline_of=BASELINE_OF.get) -> str:
+def add_predictions(rows) -> None:
+  """Simulator predictions in ms, calibrated with the plain DP row of the same model."""
+  dp = {r["model"]: r for r in rows if r["variant"] == "jit-dp" and "error" not in r}
+  for r in rows:
+    if "sim_makespan" in r and r["model"] in dp:
+      r["sim_ms"] = dp[r["model"]]["step_ms"] * r["sim_makespan"] / r["sim_work_per_rank"]
+
+
+def table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of result rows; `baseline_of(variant)` names the row each ratio is against."""
-  head = "| model | variant | devices | step ms | tok/s | vs baseline | MFU | peak GiB | compile s |"
-  lines = [head, "|" + "---|" * 9]
+  head = ("| model | variant | devices | step ms | sim ms | tok/s | vs baseline | MFU | peak GiB "
+          "| compile s |")
+  lines = [head, "|" + "---|" * 10]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | | {r['error']} | | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | | | {r['error']} | | | | |")
       continue
     name = baseline_of(r["variant"])
     b = base.get((r["model"], name))
     ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {name}" if b else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | "
+    sim = f"{r['sim_ms']:.1f}" if r.get("sim_ms") else "-"
+    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | {sim} | "
                  f"{r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {mfu} | {peak} | {r['compile_s']:.1f} |")
   return "\n".join(lines)
 
@@ -194,16 +234,23 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+  ap.add_argument("--pp", type=int, default=2, help="pipeline ranks of the pp-* variants")
+  ap.add_argument("--zero", type=int, default=0, help="ZeRO of the pipelines' DP axis (or @zK)")
   ap.add_argument("--small", action="store_true", help="tiny model on 8 CPU devices")
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.small:
-    args.model, args.batch, args.microbatches, args.steps, args.warmup = "tiny", 16, 4, 2, 1
+    args.model, args.batch, args.steps, args.warmup = "tiny", 16, 2, 1
+    args.microbatches = max(4, 2 * args.pp)
+  for v in args.variants.split(","):
+    if v not in BASELINES + PIPER[:4]:
+      parse_pipeline(v, args.zero)
   _setup_cpu(args.small)
   if args.child:
     sys.path.insert(0, ROOT)
-    row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup)
+    row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,
+                      args.pp, args.zero)
     print("ROW " + json.dumps(row), flush=True)
     return row
   rows = []
@@ -216,6 +263,7 @@ def main(argv=None):
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "batch": args.batch, "microbatches": args.microbatches, "steps": args.steps}
   out = args.out or os.path.join(ROOT, "benchmarks", "results_small.json" if args.small else "results.json")
+  add_predictions(rows)
   with open(out, "w") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=1)
   print(table(rows))

@@ -168,14 +168,11 @@ def split_backward(ad: RegionAD, ct_avals) -> BackwardSplit:
   bw_keep = _needed(j.eqns, j.outvars[:n_p])
   bi_eqns = [e for e, k in zip(j.eqns, bi_keep) if k]
   bw_eqns = [e for e, k, b in zip(j.eqns, bw_keep, bi_keep) if k and not b]
+  from piper_jax.lowering.compat import Literal
   bi_defined = {v for e in bi_eqns for v in e.outvars}
   carry = []
-  for e in bw_eqns:
-    for v in e.invars:
-      if v in bi_defined and v not in carry:
-        carry.append(v)
-  for v in j.outvars[:n_p]:
-    if v in bi_defined and v not in carry:
+  for v in [v for e in bw_eqns for v in e.invars] + list(j.outvars[:n_p]):
+    if not isinstance(v, Literal) and v in bi_defined and v not in carry:
       carry.append(v)
   return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p)
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _gpt(n_stages, tied=False):
-  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2,
+  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=max(2, n_stages), n_heads=2,
                          n_stages=n_stages, tie_embeddings=tied)
   model = gpt.GPT(config)
   return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
@@ -34,6 +34,14 @@ def test_gpt_tied_embeddings_gpipe(monkeypatch):
   import models
   monkeypatch.setattr(models, "random_batch", _batches(config))
   assert_same_run(loss, params, pj.strategies.pipeline(2, 4, "gpipe"), batch_size=8)
+
+
+def test_gpt_zero_bubble_4_stages(monkeypatch):
+  # Regression: some weight gradients of a GPT region are literals in the backward jaxpr.
+  config, loss, params = _gpt(4)
+  import models
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "zb"), batch_size=8)
 
 
 def test_train_gpt_example_runs():
