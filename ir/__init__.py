@@ -9,3 +9,10 @@ from piper_jax.ir.mesh import MeshSpec
 from piper_jax.ir.model import ActivationRef, ModelSpec, RegionSpec
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan, Task
+
+__all__ = [
+    "Directive", "Order", "Place", "Replicate", "Shard", "ShardTensor", "Split",
+    "dump_directives", "load_directives", "order", "place", "replicate", "shard", "shard_tensor",
+    "split", "DirectiveError", "PlanError", "DepKind", "Edge", "Graph", "Node", "NodeKind", "Pass",
+    "TensorSpec", "MeshSpec", "ActivationRef", "ModelSpec", "RegionSpec", "make_plan", "Plan", "Task",
+]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from piper_jax.ir.graph import DepKind, Edge, Graph, Node, NodeKind, Pass
+from piper_jax.ir.graph import Edge, Graph, Node, NodeKind, Pass
 from piper_jax.ir.model import ModelSpec
 
 __all__ = ["build_graph", "compute_id", "update_id"]
@@ -36,7 +36,3 @@ def build_graph(model: ModelSpec) -> Graph:
         edges.append(Edge(compute_id(r.index, Pass.B), compute_id(ref.region, Pass.B),
                           tensor=ref.spec))
   return Graph(nodes, edges)
-
-
-def temporal(src: str, dst: str) -> Edge:
-  return Edge(src, dst, DepKind.TEMPORAL)

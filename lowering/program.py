@@ -141,7 +141,7 @@ class Program:
     return out
 
   def _plan_values(self):
-    plan, layout = self.plan, self.layout
+    plan = self.plan
     readers: dict[tuple, list[Task]] = {}
     for t in plan.tasks.values():
       for key in self._reads(t):

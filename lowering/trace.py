@@ -12,7 +12,6 @@ import numpy as np
 from piper_jax.annotate import parse_scope, reset_counters
 from piper_jax.ir.graph import TensorSpec
 from piper_jax.ir.model import ActivationRef, ModelSpec, RegionSpec
-from piper_jax.ir.errors import PlanError
 from piper_jax.lowering.compat import Literal, Var, eval_eqns, name_stack
 
 __all__ = ["TracedLoss", "trace_loss", "path_name"]
@@ -182,7 +181,4 @@ class TracedLoss:
 
 def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
   """Traces `loss_fn(params, batch)` and cuts it into `pj.annotate` regions."""
-  try:
-    return TracedLoss(loss_fn, params, batch)
-  except PlanError:
-    raise
+  return TracedLoss(loss_fn, params, batch)

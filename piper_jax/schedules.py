@@ -106,7 +106,6 @@ def _zb_sequences(n_stages: int, n_microbatches: int) -> list[list[tuple[str, in
   p, m = n_stages, n_microbatches
   done: dict[tuple[str, int, int], int] = {}
   nxt_f = [0] * p
-  bi_queue: list[list[int]] = [[] for _ in range(p)]
   w_queue: list[list[int]] = [[] for _ in range(p)]
   live = [0] * p
   seqs: list[list[tuple[str, int]]] = [[] for _ in range(p)]

@@ -3,7 +3,6 @@
 import json
 
 import jax
-import numpy as np
 import pytest
 
 import piper_jax as pj
