@@ -70,7 +70,8 @@ def _config(model: str, n_stages: int):
   import jax.numpy as jnp
   from examples import gpt
   if model == "tiny":
-    return gpt.get_config("tiny", n_stages=n_stages, n_layers=max(4, n_stages))
+    # 8 layers, so every variant (up to 4 ranks x 2 stages) trains the same model.
+    return gpt.get_config("tiny", n_stages=n_stages, n_layers=8)
   return gpt.get_config(model, n_stages=n_stages, dtype=jnp.bfloat16, param_dtype=jnp.float32)
 
 

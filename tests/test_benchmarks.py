@@ -13,13 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(600)
 def test_run_small(tmp_path):
   out = tmp_path / "small.json"
+  variants = ["jit-dp", "zero3", "pp-1f1b", "pp-dualpipev@z1"]
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small",
-       "--variants", "jit-dp,zero3,pp-1f1b,pp-dualpipev@z1", "--out", str(out)],
+      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--pp", "4",
+       "--variants", ",".join(variants), "--out", str(out)],
       capture_output=True, text=True, timeout=580)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads(out.read_text())["rows"]
-  assert [r["variant"] for r in rows] == ["jit-dp", "zero3", "pp-1f1b", "pp-dualpipev@z1"]
+  assert [r["variant"] for r in rows] == variants
   for r in rows:
     assert "error" not in r, r
     assert r["tokens_per_s"] > 0 and r["loss"] == r["loss"]
@@ -27,17 +28,5 @@ def test_run_small(tmp_path):
   losses = [r["loss"] for r in rows]
   assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
   assert "| tiny | pp-1f1b |" in proc.stdout
-  assert all(r["sim_ms"] > 0 for r in rows if r["variant"].startswith("pp-"))
-
-
-@pytest.mark.timeout(600)
-def test_run_small_four_rank_pipelines(tmp_path):
-  out = tmp_path / "pp4.json"
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--pp", "4",
-       "--variants", "jit-dp,pp-zb@z3", "--out", str(out)],
-      capture_output=True, text=True, timeout=580)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  rows = json.loads(out.read_text())["rows"]
-  assert "error" not in rows[1], rows[1]
-  assert rows[1]["sim_ms"] > 0 and abs(rows[1]["loss"] - rows[0]["loss"]) < 1e-4 * rows[0]["loss"]
+  # Pipelines on 4 ranks x DP 2 carry the simulator's prediction beside the measurement.
+  assert all(r["sim_ms"] > 0 and r["devices"] == 8 for r in rows if r["variant"].startswith("pp-"))

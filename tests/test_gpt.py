@@ -41,7 +41,7 @@ def test_gpt_zero_bubble_4_stages(monkeypatch):
   config, loss, params = _gpt(4)
   import models
   monkeypatch.setattr(models, "random_batch", _batches(config))
-  assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "zb"), batch_size=8)
+  assert_same_run(loss, params, pj.strategies.pipeline(4, 2, "zb"), batch_size=4)
 
 
 def test_train_gpt_example_runs():
