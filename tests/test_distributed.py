@@ -48,6 +48,13 @@ def test_two_processes_match_one_process(tmp_path):
   for path, v in jax.tree_util.tree_flatten_with_path(step.params(state))[0]:
     key = "/".join(str(getattr(p, "key", p)) for p in path)
     np.testing.assert_allclose(got[key], np.asarray(v), rtol=1e-5, atol=1e-6)
+  # The checkpoint the two processes wrote restores here, in one process, under ZeRO-3 on 4.
+  other = pj.compile(mlp_loss(2), optimizer(), pj.strategies.data_parallel(4, zero=3), params,
+                     batches[0])
+  restored = other.params(pj.checkpoint.restore(str(out) + ".ckpt", other))
+  for path, v in jax.tree_util.tree_flatten_with_path(restored)[0]:
+    key = "/".join(str(getattr(p, "key", p)) for p in path)
+    np.testing.assert_allclose(np.asarray(v), got[key], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(180)
