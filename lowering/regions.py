@@ -19,9 +19,50 @@ from piper_jax.lowering.trace import TracedLoss
 __all__ = ["RegionAD", "analyze_region"]
 
 
+# Equations cheap enough to redo in B instead of storing their result per microbatch:
+# casts, layout changes and masks (a bf16 copy of a weight, a causal mask).
+_CHEAP = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+                    "expand_dims", "iota", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+                    "select_n", "copy", "slice", "neg", "add", "sub", "mul"})
+
+
+def _cheap(eqn) -> bool:
+  if eqn.primitive.name in _CHEAP:
+    return True
+  if eqn.primitive.name in ("pjit", "jit", "closed_call"):
+    inner = eqn.params.get("jaxpr")
+    inner = getattr(inner, "jaxpr", inner)
+    return inner is not None and all(_cheap(e) for e in inner.eqns)
+  return False
+
+
+def _param_only_cone(jaxpr, var, param_vars: set, defined: dict):
+  """The equations that compute `var` from parameters and constants alone, if all are cheap."""
+  from piper_jax.lowering.compat import Literal
+  cone, stack, seen = set(), [var], set()
+  while stack:
+    v = stack.pop()
+    if isinstance(v, Literal) or v in seen or v in param_vars or v in jaxpr.constvars:
+      continue
+    seen.add(v)
+    if v not in defined:
+      return None  # a batch or activation input
+    i = defined[v]
+    if not _cheap(jaxpr.eqns[i]):
+      return None
+    cone.add(i)
+    stack += list(jaxpr.eqns[i].invars)
+  return cone
+
+
 @dataclasses.dataclass
 class RegionAD:
-  """What F stores for B. `alias[k]` is ("param"|"batch"|"act"|"out", index) or None."""
+  """What F stores for B.
+
+  `alias[k]` is ("param"|"batch"|"act"|"out", index) for a residual that is an
+  input or output of the region, ("recompute", var) for one that B recomputes
+  cheaply from the parameters, or None for one F stores.
+  """
 
   region: int
   diff_params: list[int]    # positions (in the region's params) that get gradients
@@ -29,8 +70,11 @@ class RegionAD:
   float_outs: list[int]     # outputs that receive cotangents
   other_outs: list[int]
   res_avals: list[Any]
-  alias: list[tuple[str, int] | None]
+  alias: list[tuple[str, Any] | None]
   res_tree: Any
+  recompute_eqns: list = dataclasses.field(default_factory=list)
+  recompute_consts: dict = dataclasses.field(default_factory=dict)
+  param_vars: list = dataclasses.field(default_factory=list)
 
   @property
   def stored(self) -> list[int]:
@@ -91,12 +135,24 @@ def analyze_region(traced: TracedLoss, r: int) -> RegionAD:
   out_pos = {}
   for k, v in enumerate(jaxpr.outvars[:n_out]):
     out_pos.setdefault(v, ("out", out_order[k]))
-  alias, res_avals = [], []
+  param_vars = list(jaxpr.invars[:n_p])
+  defined = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  alias, res_avals, recompute = [], [], set()
   for v in jaxpr.outvars[n_out:]:
     res_avals.append(v.aval)
-    hashable = not hasattr(v, "val")
-    alias.append((invar_pos.get(v) or out_pos.get(v)) if hashable else None)
-  return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, res_avals, alias, box["tree"])
+    if hasattr(v, "val"):  # a literal
+      alias.append(None)
+      continue
+    a = invar_pos.get(v) or out_pos.get(v)
+    if a is None:
+      cone = _param_only_cone(jaxpr, v, set(param_vars), defined)
+      if cone is not None:
+        a = ("recompute", v)
+        recompute |= cone
+    alias.append(a)
+  return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, res_avals, alias, box["tree"],
+                  [jaxpr.eqns[i] for i in sorted(recompute)],
+                  dict(zip(jaxpr.constvars, closed.consts)), param_vars)
 
 
 def region_forward(traced: TracedLoss, ad: RegionAD, params, batch, acts):
@@ -210,6 +266,11 @@ def full_residuals(ad: RegionAD, stored, params, batch, acts, outs) -> list:
   """The residual list vjp expects, from the stored ones and the aliased inputs/outputs."""
   res, it = [], iter(stored)
   src = {"param": params, "batch": batch, "act": acts, "out": outs}
+  if ad.recompute_eqns:
+    from piper_jax.lowering.compat import eval_eqns
+    env = dict(ad.recompute_consts)
+    env.update(zip(ad.param_vars, params))
+    src["recompute"] = eval_eqns(ad.recompute_eqns, env)
   for a in ad.alias:
     res.append(next(it) if a is None else src[a[0]][a[1]])
   return res

@@ -50,3 +50,26 @@ def test_train_gpt_example_runs():
                         "--microbatches", "2", "--steps", "3", "--batch", "8"])
   losses = out["losses"]
   assert len(losses) == 3 and all(l == l for l in losses) and losses[-1] < losses[0]
+
+
+def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
+  # With bf16 compute, the bf16 copies of the weights (and the causal mask) are
+  # recomputed in B from the parameters instead of being kept per microbatch.
+  import jax.numpy as jnp
+  import models
+  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2, n_stages=2,
+                         dtype=jnp.bfloat16)
+  model = gpt.GPT(config)
+  params = gpt.init_params(model, jax.random.PRNGKey(0))
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  batches = [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
+  tx = models.optimizer()
+  ref, _ = models.reference_run(gpt.loss_fn(model), params, batches, tx)
+  losses, _, step, _ = models.piper_run(gpt.loss_fn(model), params, batches, tx,
+                                        pj.strategies.pipeline(2, 2, "1f1b"))
+  ad = step._program.ad[0]
+  recomputed = [a for a in ad.alias if a and a[0] == "recompute"]
+  assert any(str(v.aval.dtype) == "bfloat16" and v.aval.ndim == 2 for _, v in recomputed)
+  assert len(ad.stored) + len(recomputed) <= len(ad.alias)
+  import numpy as np
+  np.testing.assert_allclose(losses, ref, rtol=2e-2)
