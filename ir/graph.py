@@ -64,6 +64,8 @@ class Node:
   Compute nodes carry `region`, `pass_` and (after split) `mb`; communication
   nodes carry the `axis` they run over and, for SEND/RECV, the `peer` group.
   `devices` is the device group (set by place/replicate), `zero` its ZeRO stage.
+  `group` names an order group of several filters the node belongs to: its members
+  on one device may run together (DualPipe's F&B).
   """
 
   id: str
@@ -77,6 +79,7 @@ class Node:
   axis: str | None = None
   peer: tuple[int, ...] | None = None
   tensors: tuple[TensorSpec, ...] = ()
+  group: str | None = None
 
   def replace(self, **changes) -> "Node":
     return dataclasses.replace(self, **changes)

@@ -77,18 +77,24 @@ def schedule_ticks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: M
 
   A node runs in the tick of a same-rank producer or later, and at least one tick
   after a producer on another rank (messages move between ticks). A rank's tick
-  takes nodes while their cost fits `budget`; ticks never go back along a rank.
+  takes nodes while their cost fits `budget`, and always takes a member of an order
+  group whose other member it already holds; ticks never go back along a rank.
   """
   tick_of: dict[str, int] = {}
   cur: dict[int, int] = {}
   load: dict[tuple[int, int], float] = {}
+  group_tick: dict[tuple[int, str], int] = {}
   for n in order:
     r = rank[n.id]
     t = cur.get(r, 0)
     for p in preds[n.id]:
       t = max(t, tick_of[p] + (rank[p] != r))
-    if t == cur.get(r, 0) and load.get((r, t), 0) > 0 and load[(r, t)] + cost[n.id] > budget:
+    together = n.group is not None and group_tick.get((r, n.group)) == t
+    if (not together and t == cur.get(r, 0) and load.get((r, t), 0) > 0
+        and load[(r, t)] + cost[n.id] > budget):
       t += 1
+    if n.group is not None:
+      group_tick.setdefault((r, n.group), t)
     tick_of[n.id] = t
     load[(r, t)] = load.get((r, t), 0) + cost[n.id]
     cur[r] = t

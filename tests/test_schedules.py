@@ -152,3 +152,17 @@ def test_plan_for_1024_devices_from_shapes_only():
   report = plan.simulate("flops")
   assert plan.mesh.n_dp == 128 and plan.mesh.n_pp == 8 and report.makespan > 0
   assert time.time() - t0 < 60
+
+
+def test_dualpipev_f_and_b_pairs_share_a_tick():
+  n, m = 2, 8
+  plan = ir.make_plan(chain_model(2 * n, batch=64), pj.strategies.pipeline(2 * n, m, "dualpipev"),
+                      n_devices=n, check=True)
+  groups = {}
+  for node in plan.graph.compute_nodes():
+    if node.group:
+      groups.setdefault((node.group, node.devices), []).append(plan.tasks[node.id].tick)
+  pairs = [ticks for ticks in groups.values() if len(ticks) == 2]
+  # A pair runs in one tick unless a member waits for a message the other does not
+  # (at most the first pair of a rank, while the pipeline fills).
+  assert len(pairs) >= 2 * (m - n) and sum(a != b for a, b in pairs) <= n

@@ -17,6 +17,8 @@ def apply_order(graph: Graph, directives: Sequence[tuple[int, Order]]) -> Graph:
 
   Needs: placed nodes. Groups match compute nodes; an order between groups that
   share no device cannot be kept and is an error, as is an edge that closes a cycle.
+  The members of a group of several filters on one device get a shared `group`
+  name, so that the plan runs them in one tick (DualPipe's overlapped F&B).
   After: the graph is acyclic and each temporal edge stays on one device group.
   """
   for index, d in directives:
@@ -28,6 +30,16 @@ def apply_order(graph: Graph, directives: Sequence[tuple[int, Order]]) -> Graph:
       if not nodes:
         raise DirectiveError(f"group {gi} matches no F/B node", index, d)
       groups.append(nodes)
+    members = {}
+    for gi, (g, nodes) in enumerate(zip(d.groups, groups)):
+      if len(g) > 1:
+        for n in nodes:
+          members.setdefault((gi, n.devices), []).append(n)
+    named = {n.id: n.replace(group=f"o{index}.{gi}")
+             for (gi, _), ns in members.items() if len(ns) > 1 for n in ns}
+    if named:
+      graph = graph.with_nodes(named)
+      groups = [[graph.nodes[n.id] for n in nodes] for nodes in groups]
     new = []
     for gi, (a_nodes, b_nodes) in enumerate(zip(groups, groups[1:])):
       pairs = [(a, b) for a in a_nodes for b in b_nodes if a.devices == b.devices and a.id != b.id]
