@@ -261,14 +261,20 @@ def main(argv=None):
       rows.append(row)
       print(json.dumps(row), flush=True)
   import jax
-  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-          "batch": args.batch, "microbatches": args.microbatches, "steps": args.steps}
-  out = args.out or os.path.join(ROOT, "benchmarks", "results_small.json" if args.small else "results.json")
   add_predictions(rows)
-  with open(out, "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  write_results(args, rows, "results", jax=jax.__version__)
   print(table(rows))
   return rows
+
+
+def write_results(args, rows, name: str, **meta) -> str:
+  """Writes {"meta", "rows"} JSON to --out, else benchmarks/<name>[_small].json."""
+  meta = {"date": datetime.date.today().isoformat(), "batch": args.batch,
+          "microbatches": args.microbatches, "steps": args.steps, **meta}
+  out = args.out or os.path.join(ROOT, "benchmarks", f"{name}_small.json" if args.small else f"{name}.json")
+  with open(out, "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  return out
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Reports the same row format as run.py; ratios are taken against the `ddp` row.
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import json
 import math
@@ -330,13 +329,10 @@ def main(argv=None):
       row = run_variant(args, variant, model, use_cuda, n_gpus)
       rows.append(row)
       print(json.dumps(row), flush=True)
-  meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-          "batch": args.batch, "microbatches": args.microbatches, "steps": args.steps,
-          "dtype": "bfloat16" if use_cuda else "float32"}
-  out = args.out or os.path.join(
-      ROOT, "benchmarks", "results_torch_small.json" if args.small else "results_torch.json")
-  with open(out, "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from run import write_results
+  write_results(args, rows, "results_torch", torch=torch.__version__,
+                dtype="bfloat16" if use_cuda else "float32")
   print(table(rows))
   return rows
 
