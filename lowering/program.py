@@ -1,11 +1,13 @@
 """Lowers a ticked plan to one shard_map body over the ("dp", "pp") mesh.
 
 Each tick, every pipeline rank runs its own tasks through one `lax.switch` on
-`axis_index("pp")`. Values that outlive a tick leave the switch packed into flat
-per-dtype sections: a "keep" section for the rank itself and one section per
-`ppermute` round for the values other ranks read. Gradients stay unreduced over
-microbatches (ZeRO 0/1) and are reduced once at the end, or are reduce-scattered
-per tick (ZeRO 2/3); ZeRO-3 gathers a slot's parameters before the switch.
+`axis_index("pp")`. Values that outlive a tick leave the switch as a list of arrays
+whose positions ranks share by shape (`_match_positions`): a "keep" list for the
+rank itself and one list per `ppermute` round for the values other ranks read.
+Gradients accumulate per leaf, unreduced over microbatches, and are laid out into
+the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
+reduce-scattered per tick (ZeRO 2/3); ZeRO-3 gathers a slot's parameters before the
+switch.
 """
 
 from __future__ import annotations
