@@ -117,3 +117,36 @@ def _check_partitioned(state, n_parts):
   for dev, nbytes in per_device.items():
     # Each device holds about 1/n of the state (plus the padding of its chunks).
     assert nbytes <= total / n_parts * 1.5, (dev, nbytes, total)
+
+
+def test_unused_parameter_is_still_updated_like_one_device():
+  import jax.numpy as jnp
+  loss, params = _mlp(2)
+  params = dict(params, unused=jnp.ones((3,)))   # no gradient; adamw's decay still moves it
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1))
+
+
+def test_skip_connection_across_stages():
+  # Region 0's output feeds regions 1 and 2: two sends, and B(0) sums two cotangents.
+  import jax.numpy as jnp
+  import optax
+  from models import D_HID, N_CLASSES
+
+  def loss(params, batch):
+    x = jnp.tanh(batch["x"] @ params["embed"])
+    with pj.annotate("PP"):
+      h0 = jnp.tanh(x @ params["w0"])
+    with pj.annotate("PP"):
+      h1 = jnp.tanh(h0 @ params["w1"])
+    with pj.annotate("PP"):
+      h2 = jnp.tanh(h1 @ params["w2"]) + h0
+      logits = h2 @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  ks = jax.random.split(jax.random.PRNGKey(5), 5)
+  params = {"embed": jax.random.normal(ks[0], (8, D_HID)) * 0.3,
+            **{f"w{i}": jax.random.normal(ks[1 + i], (D_HID, D_HID)) * 0.3 for i in range(3)},
+            "head": jax.random.normal(ks[4], (D_HID, N_CLASSES)) * 0.3}
+  step, _ = assert_same_run(loss, params, pj.strategies.pipeline(3, 4, "1f1b"))
+  sends = [n for n in step.plan.graph.nodes.values() if n.kind.value == "send"]
+  assert {(n.devices, n.peer) for n in sends} >= {((0,), (1,)), ((0,), (2,)), ((1,), (2,))}
