@@ -99,4 +99,9 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
   graph = check_(insert_collectives(graph, model, mesh), "insert_collectives", placed=True, cut=True)
   graph = check_(apply_order(graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)]),
                  "apply_order", placed=True, cut=True)
-  return Plan(graph, model, mesh, n_mb)
+  buckets = {d.bucket_mb for d in directives if isinstance(d, Replicate) and d.bucket_mb}
+  if len(buckets) > 1:
+    i = next(i for i, d in enumerate(directives) if isinstance(d, Replicate) and d.bucket_mb)
+    raise DirectiveError(f"replicate directives ask for different bucket sizes {sorted(buckets)}; "
+                         f"use one bucket_mb", i, directives[i])
+  return Plan(graph, model, mesh, n_mb, bucket_mb=buckets.pop() if buckets else None)

@@ -182,6 +182,27 @@ class Program:
                          for t in tasks if t.pass_ in _GRAD_PASSES
                          for p in self._grad_leaves(t.region)})
       self.ticks.append({"keep": (keep_pos, keep_where), "rounds": round_info, "grads": grad_pos})
+    self.buckets = self._plan_buckets()
+
+  def _plan_buckets(self) -> dict[int, list[list[int]]]:
+    """ZeRO-0 with bucket_mb: per tick, the buckets of gradient positions that become final."""
+    if self.layout.zero != 0 or not self.plan.bucket_mb or self.layout.n_dp == 1:
+      return {}
+    last = {pos: t for t, info in enumerate(self.ticks) for pos in info["grads"]}
+    limit = self.plan.bucket_mb * 2**20
+    out: dict[int, list[list[int]]] = {}
+    for t in sorted(set(last.values())):
+      bucket, size = [], 0
+      for pos in sorted((p for p, lt in last.items() if lt == t), reverse=True):
+        shape, dt = self.grad_positions[pos]
+        bucket.append(pos)
+        size += int(np.prod(shape)) * np.dtype(dt).itemsize
+        if size >= limit:
+          out.setdefault(t, []).append(bucket)
+          bucket, size = [], 0
+      if bucket:
+        out.setdefault(t, []).append(bucket)
+    return out
 
   def _grad_leaves(self, region: int) -> list[int]:
     spec = self.model.regions[region]
@@ -244,6 +265,11 @@ class Program:
       else:
         for pos, x in grads.items():
           acc[pos] = acc[pos] + x if pos in acc else x
+        for bucket in self.buckets.get(tick_i, []):
+          # One all-reduce of several arrays as soon as they are final, which XLA
+          # can overlap with the backward work that follows.
+          for pos, x in zip(bucket, lax.psum(tuple(acc[p] for p in bucket), "dp")):
+            acc[pos] = x
     if zero < 2:
       acc = self._assemble(acc) if acc else {}
     return self._finish_grads(acc), lax.psum(loss, ("dp", "pp")) / (n_dp * self.n_mb)
@@ -394,7 +420,8 @@ class Program:
     if g is None:
       g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
     if zero == 0:
-      return lax.psum(g, "dp").reshape(n_dp, chunk)
+      g = g if self.buckets else lax.psum(g, "dp")  # buckets were all-reduced already
+      return g.reshape(n_dp, chunk)
     if zero == 1:
       return lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, chunk)
     return g.reshape(1, chunk)

@@ -150,3 +150,23 @@ def test_skip_connection_across_stages():
   step, _ = assert_same_run(loss, params, pj.strategies.pipeline(3, 4, "1f1b"))
   sends = [n for n in step.plan.graph.nodes.values() if n.kind.value == "send"]
   assert {(n.devices, n.peer) for n in sends} >= {((0,), (1,)), ((0,), (2,)), ((1,), (2,))}
+
+
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_bucketed_gradient_reduction(n_stages):
+  # bucket_mb: ZeRO-0 gradients are all-reduced in buckets as soon as they are final.
+  loss, params = _mlp(2)
+  dp = 8 // n_stages
+  directives = [pj.split(2)] + [
+      pj.replicate({"PP": s} if n_stages > 1 else {}, [r * n_stages + s for r in range(dp)],
+                   bucket_mb=0.001)
+      for s in range(n_stages)] + (pj.schedules.one_f_one_b(2, 2) if n_stages > 1 else [])
+  step, _ = assert_same_run(loss, params, directives)
+  assert step.plan.bucket_mb == 0.001 and len(sum(step._program.buckets.values(), [])) > 1
+  text = step.lower(step.init(params), _batch()).as_text()
+  assert text.count("all_reduce") + text.count("all-reduce") > 1
+
+
+def _batch():
+  from models import random_batch
+  return random_batch(jax.random.PRNGKey(0), 16)
