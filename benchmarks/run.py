@@ -10,7 +10,8 @@ Pipeline variants are pp-SCHEDULE (gpipe, 1f1b, zb, interleaved, dualpipev) over
 the data-parallel axis (default `--zero`). Interleaved and DualPipeV hold two stages
 per rank. Each pipeline row also gives the simulator's prediction (`plan.simulate`
 with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row of
-the same run: predicted = DP step time x makespan / (work per rank).
+the same run: predicted = DP step time x makespan / (work per rank). `dp@b25` is
+data parallel with gradients all-reduced in 25 MB buckets during the backward.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -46,7 +47,7 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev"
 
 def BASELINE_OF(variant: str) -> str:
   """The plain-JAX row a variant's ratio is taken against."""
-  return _BASELINE.get(variant, "jit-dp")
+  return _BASELINE.get(variant.partition("@")[0], "jit-dp")
 
 
 def parse_pipeline(variant: str, default_zero: int) -> tuple[str, int] | None:
@@ -139,8 +140,10 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
       directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
                                           zero=pipe[1])
     else:
-      zero = 0 if variant == "dp" else int(variant[-1])
-      directives = pj.strategies.data_parallel(n, zero=zero)
+      name, _, bucket = variant.partition("@b")  # "dp@b25": 25 MB gradient buckets
+      zero = 0 if name == "dp" else int(name[-1])
+      directives = [pj.replicate({}, list(range(n)), zero=zero,
+                                 bucket_mb=float(bucket) if bucket else None)]
     step = pj.compile(loss_fn, tx, directives, params, batches[0])
     state = step.init(params)
     call = step
@@ -245,7 +248,7 @@ def main(argv=None):
     args.model, args.batch, args.steps, args.warmup = "tiny", 16, 2, 1
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
-    if v not in BASELINES + PIPER[:4]:
+    if v.partition("@")[0] not in BASELINES + PIPER[:4]:
       parse_pipeline(v, args.zero)
   _setup_cpu(args.small)
   if args.child:
