@@ -45,6 +45,19 @@ def _eqn_flops(eqn) -> float:
   return total
 
 
+def _inner_scope(eqn) -> tuple:
+  """The first annotation scope found inside an equation's sub-jaxprs, if any."""
+  for p in eqn.params.values():
+    for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+      sub = getattr(sub, "jaxpr", sub)
+      if hasattr(sub, "eqns"):
+        for e in sub.eqns:
+          found = parse_scope(name_stack(e)) or _inner_scope(e)
+          if found:
+            return found
+  return ()
+
+
 @dataclasses.dataclass
 class _Region:
   eqns: list
@@ -97,6 +110,13 @@ class TracedLoss:
     self.spec = self._spec(p_names, p_avals, b_names, b_avals, batch_size)
 
   def _cut(self, jaxpr) -> list[_Region]:
+    for e in jaxpr.eqns:
+      inner = _inner_scope(e)
+      if inner:
+        raise ValueError(
+            f"pj.annotate({inner[0][0]!r}) is used inside a `{e.primitive.name}` (a jit, "
+            f"scan, remat or other transformed function), where regions cannot be cut; "
+            f"annotate at the top level of the loss, around the transformed call")
     keys = [parse_scope(name_stack(e)) for e in jaxpr.eqns]
     # Unannotated equations join the region before them (the first region if none).
     first = next((k for k in keys if k), ())

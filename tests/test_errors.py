@@ -103,3 +103,19 @@ def test_errors_come_before_compiling(monkeypatch):
   with pytest.raises(pj.PlanError):
     _compile([pj.place({"PP": 0}, [0])])
   assert not calls
+
+
+def test_annotation_inside_a_transformed_function():
+  import jax.numpy as jnp
+
+  @jax.jit
+  def block(w, x):
+    with pj.annotate("PP"):
+      return jnp.tanh(x @ w)
+
+  def loss(params, batch):
+    return jnp.mean(block(params["w"], batch["x"]) ** 2)
+
+  params = {"w": jnp.ones((8, 4))}
+  with pytest.raises(ValueError, match=r"pj.annotate\('PP'\) is used inside a `(p)?jit`"):
+    pj.compile(loss, optimizer(), [pj.place({}, [0])], params, random_batch(jax.random.PRNGKey(0), 8))
