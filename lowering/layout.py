@@ -8,7 +8,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.plan import Plan
@@ -98,10 +98,6 @@ class ParamLayout:
     dp = "dp" if sharded else None
     return {"slots": {dt: P("pp", dp, None) for dt in self.dtypes},
             "shared": {dt: P(dp, None) for dt in self.dtypes}}
-
-  def shardings(self, mesh, sharded: bool) -> dict:
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), self.specs(sharded),
-                                  is_leaf=lambda x: isinstance(x, P))
 
   # -- packing --------------------------------------------------------------
 

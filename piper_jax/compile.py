@@ -117,10 +117,9 @@ class TrainStep:
     # Optimizer state leaves shaped like a parameter buffer are partitioned like
     # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
     opt_spec_of = {}
-    for s in shapes["slots"].values():
-      opt_spec_of[s.shape] = P("pp", "dp" if zero >= 1 else None, None)
-    for s in shapes["shared"].values():
-      opt_spec_of.setdefault(s.shape, P("dp" if zero >= 1 else None, None))
+    for kind in ("slots", "shared"):
+      for dt, s in shapes[kind].items():
+        opt_spec_of.setdefault(s.shape, grad_specs[kind][dt])
     opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
     self._opt_shardings = to_sharding(opt_specs)
     self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
@@ -136,6 +135,7 @@ class TrainStep:
                          out_shardings=(self._state_shardings, replicated), donate_argnums=0)
     self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
     self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
+    self._pack_opt = jax.jit(layout.pack, out_shardings=to_sharding(grad_specs))
     self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
     self._to_canonical = None
 
@@ -219,8 +219,8 @@ class TrainStep:
     outer = jax.tree_util.tree_structure(self._opt_shardings, is_leaf=_is_buffers)
     parts = outer.flatten_up_to(tree["opt_state"])
     shards = outer.flatten_up_to(self._opt_shardings)
-    pack = lambda x, sh: jax.jit(self._layout.pack, out_shardings=sh)(jax.tree_util.tree_leaves(x))
-    opt = [pack(x, sh) if _is_buffers(sh) else jax.device_put(x, sh) for x, sh in zip(parts, shards)]
+    opt = [self._pack_opt(jax.tree_util.tree_leaves(x)) if _is_buffers(sh) else jax.device_put(x, sh)
+           for x, sh in zip(parts, shards)]
     leaves = jax.tree_util.tree_leaves(tree["params"])
     return TrainState(self._pack(leaves), outer.unflatten(opt), self)
 
