@@ -16,7 +16,7 @@ data parallel with gradients all-reduced in 25 MB buckets during the backward.
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
 For each: median step time over `--steps` steps after `--warmup`, tokens/s, MFU
-(against the dense bf16 peak of the card, `PEAK_FLOPS`), peak device memory
+(against the dense bf16 peak of the card, `examples.gpt.PEAK_FLOPS`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
 step), and the ratio of tokens/s to the matching plain-JAX baseline.
 """
@@ -32,9 +32,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# Dense bf16 peak FLOP/s per card (no sparsity).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 BASELINES = ("jit-dp", "gspmd-fsdp")
 PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
@@ -173,7 +170,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
     stats = d.memory_stats() or {}
     peak = max(peak, stats.get("peak_bytes_in_use", 0))
   kind = devices[0].device_kind
-  peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+  peak_flops = gpt.peak_flops(kind)
   tps = tokens / step_s
   mfu = gpt.flops_per_token(config) * tps / (n * peak_flops) if peak_flops else None
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,

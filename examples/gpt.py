@@ -252,3 +252,12 @@ def flops_per_token(config: GPTConfig) -> float:
   per_block = (4 + 2 * config.mlp_ratio) * d * d
   n_matmul = L * per_block + d * config.vocab_size
   return 6.0 * n_matmul + 12.0 * L * d * config.seq_len
+
+
+# Dense bf16 peak FLOP/s per card (no sparsity), for MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The dense bf16 peak of a card by its `device_kind`, or None when unknown (CPU)."""
+  return next((v for k, v in PEAK_FLOPS.items() if k in device_kind), None)

@@ -130,9 +130,6 @@ def build_strategy(args, n_devices: int):
   return directives, n_used, args.stages
 
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
 class TrainingDiverged(RuntimeError):
   """The loss stopped being finite; the last good checkpoint is kept."""
 
@@ -215,7 +212,7 @@ def main(argv=None) -> dict:
     state = step.init(params)
 
   tokens_per_step = args.batch * config.seq_len
-  peak = next((v for k, v in PEAK_FLOPS.items() if k in devices[0].device_kind), None)
+  peak = gpt.peak_flops(devices[0].device_kind)
   flops = gpt.flops_per_token(config)
   metrics = open(args.metrics, "a") if args.metrics else None
   bar = None if args.quiet else tqdm(total=args.steps, initial=first, unit="step",
