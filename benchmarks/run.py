@@ -12,6 +12,8 @@ per rank. Each pipeline row also gives the simulator's prediction (`plan.simulat
 with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row of
 the same run: predicted = DP step time x makespan / (work per rank). `dp@b25` is
 data parallel with gradients all-reduced in 25 MB buckets during the backward.
+A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
+experts are split over each rank's data-parallel devices.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -66,7 +68,12 @@ def _setup_cpu(small: bool):
 
 def _config(model: str, n_stages: int):
   import jax.numpy as jnp
-  from examples import gpt
+  from examples import gpt, moe
+  if model.startswith("moe-"):
+    if model == "moe-tiny":
+      return moe.get_config("tiny", n_stages=n_stages, n_layers=4)
+    return moe.get_config(model[4:], n_stages=n_stages, dtype=jnp.bfloat16,
+                          param_dtype=jnp.float32)
   if model == "tiny":
     # 8 layers, so every variant (up to 4 ranks x 2 stages) trains the same model.
     return gpt.get_config("tiny", n_stages=n_stages, n_layers=8)
@@ -94,12 +101,15 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   import piper_jax as pj
   from examples import gpt
 
+  from examples import moe
+
   devices = jax.devices()
   n = len(devices)
-  pipe = parse_pipeline(variant, zero)
+  base, ep = variant.removesuffix("+ep"), variant.endswith("+ep")
+  pipe = parse_pipeline(base, zero)
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
   config = _config(model, n_stages)
-  net = gpt.GPT(config)
+  net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
   loss_fn = gpt.loss_fn(net)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
   tx = optax.adamw(1e-4, weight_decay=0.1)
@@ -137,10 +147,12 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
       directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
                                           zero=pipe[1])
     else:
-      name, _, bucket = variant.partition("@b")  # "dp@b25": 25 MB gradient buckets
+      name, _, bucket = base.partition("@b")  # "dp@b25": 25 MB gradient buckets
       zero = 0 if name == "dp" else int(name[-1])
       directives = [pj.replicate({}, list(range(n)), zero=zero,
                                  bucket_mb=float(bucket) if bucket else None)]
+    if ep:  # experts split over each rank's data-parallel group
+      directives.append(pj.shard({"EP": "*"}, list(range(n))))
     step = pj.compile(loss_fn, tx, directives, params, batches[0])
     state = step.init(params)
     call = step
@@ -172,7 +184,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   kind = devices[0].device_kind
   peak_flops = gpt.peak_flops(kind)
   tps = tokens / step_s
-  mfu = gpt.flops_per_token(config) * tps / (n * peak_flops) if peak_flops else None
+  fpt = (moe.flops_per_token if model.startswith("moe-") else gpt.flops_per_token)(config)
+  mfu = fpt * tps / (n * peak_flops) if peak_flops else None
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
           "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": mfu,
           "peak_gib": peak / 2**30 if peak else None, "compile_s": max(first - step_s, 0.0),
@@ -228,7 +241,8 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--model", default="268m,1.3b", help="comma list of: tiny, 268m, 1.3b")
+  ap.add_argument("--model", default="268m,1.3b",
+                  help="comma list of: tiny, 268m, 1.3b, moe-tiny, moe-1b")
   ap.add_argument("--variants", default=",".join(BASELINES + PIPER))
   ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
   ap.add_argument("--microbatches", type=int, default=8)
@@ -242,11 +256,12 @@ def main(argv=None):
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.small:
-    args.model, args.batch, args.steps, args.warmup = "tiny", 16, 2, 1
+    model = "moe-tiny" if args.model.startswith("moe") else "tiny"
+    args.model, args.batch, args.steps, args.warmup = model, 16, 2, 1
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
-    if v.partition("@")[0] not in BASELINES + PIPER[:4]:
-      parse_pipeline(v, args.zero)
+    if v.removesuffix("+ep").partition("@")[0] not in BASELINES + PIPER[:4]:
+      parse_pipeline(v.removesuffix("+ep"), args.zero)
   _setup_cpu(args.small)
   if args.child:
     sys.path.insert(0, ROOT)

@@ -51,6 +51,10 @@ class GPTConfig:
     tie_embeddings: use the token embedding as the output head.
     dtype: compute dtype (the loss is always computed in float32).
     param_dtype: parameter dtype.
+    tp_axis: when set, the attention and MLP weights carry Flax partitioning
+      names (`nn.with_partitioning`) in Megatron's layout: qkv and fc split by
+      columns (heads), out and proj by rows, along this name - what
+      `pj.shard_tensor(..., axis=tp_axis)` splits.
   """
 
   vocab_size: int
@@ -63,6 +67,7 @@ class GPTConfig:
   tie_embeddings: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  tp_axis: str | None = None
 
   def __post_init__(self):
     if self.n_stages < 1 or self.n_layers % self.n_stages:
@@ -102,6 +107,19 @@ def _dense_init(std: float) -> Callable:
   return nn.initializers.normal(stddev=std)
 
 
+def _dense(cfg: GPTConfig, features: int, std: float, name: str, split: str | None = None,
+           use_bias: bool = True) -> nn.Dense:
+  """A Dense layer; under `cfg.tp_axis`, split by "columns" or "rows" (Megatron)."""
+  kernel_init, bias_init = _dense_init(std), nn.initializers.zeros_init()
+  if cfg.tp_axis and split == "columns":
+    kernel_init = nn.with_partitioning(kernel_init, (None, cfg.tp_axis))
+    bias_init = nn.with_partitioning(bias_init, (cfg.tp_axis,))
+  elif cfg.tp_axis and split == "rows":
+    kernel_init = nn.with_partitioning(kernel_init, (cfg.tp_axis, None))
+  return nn.Dense(features, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                  kernel_init=kernel_init, bias_init=bias_init, name=name)
+
+
 class CausalSelfAttention(nn.Module):
   """Multi-head causal self-attention."""
 
@@ -111,18 +129,14 @@ class CausalSelfAttention(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     batch, seq, _ = x.shape
-    qkv = nn.Dense(
-        3 * cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        kernel_init=_dense_init(0.02), name="qkv")(x)
-    qkv = qkv.reshape(batch, seq, 3, cfg.n_heads, cfg.head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # Heads outermost in the qkv columns, so that splitting them splits heads.
+    qkv = _dense(cfg, 3 * cfg.d_model, 0.02, "qkv", "columns")(x)
+    qkv = qkv.reshape(batch, seq, cfg.n_heads, 3, cfg.head_dim)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     y = y.reshape(batch, seq, cfg.d_model)
     # GPT-2: scale residual projections down with depth.
-    return nn.Dense(
-        cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        kernel_init=_dense_init(0.02 / math.sqrt(2 * cfg.n_layers)),
-        name="out")(y)
+    return _dense(cfg, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "out", "rows")(y)
 
 
 class MLP(nn.Module):
@@ -133,15 +147,8 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    h = nn.Dense(
-        cfg.mlp_ratio * cfg.d_model, dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype, kernel_init=_dense_init(0.02),
-        name="fc")(x)
-    h = nn.gelu(h)
-    return nn.Dense(
-        cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        kernel_init=_dense_init(0.02 / math.sqrt(2 * cfg.n_layers)),
-        name="proj")(h)
+    h = nn.gelu(_dense(cfg, cfg.mlp_ratio * cfg.d_model, 0.02, "fc", "columns")(x))
+    return _dense(cfg, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "proj", "rows")(h)
 
 
 class Block(nn.Module):

@@ -34,11 +34,16 @@ class DepKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-  """An abstract tensor: a name, a shape and a dtype name (no device, no data)."""
+  """An abstract tensor: a name, a shape and a dtype name (no device, no data).
+
+  `names` are a parameter's per-dimension partitioning names (Flax
+  `nn.with_partitioning`), which `shard_tensor` reads; None when it has none.
+  """
 
   name: str
   shape: tuple[int, ...]
   dtype: str
+  names: tuple[str | None, ...] | None = None
 
   @property
   def size(self) -> int:
@@ -54,7 +59,10 @@ class TensorSpec:
     return self.size * itemsize
 
   def to_json(self) -> dict:
-    return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+    out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+    if self.names is not None:
+      out["names"] = list(self.names)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +73,8 @@ class Node:
   nodes carry the `axis` they run over and, for SEND/RECV, the `peer` group.
   `devices` is the device group (set by place/replicate), `zero` its ZeRO stage.
   `group` names an order group of several filters the node belongs to: its members
-  on one device may run together (DualPipe's F&B).
+  on one device may run together (DualPipe's F&B). `shard` is ("ep" | "tp", n) on
+  the compute nodes of a region split n ways by shard / shard_tensor.
   """
 
   id: str
@@ -80,6 +89,7 @@ class Node:
   peer: tuple[int, ...] | None = None
   tensors: tuple[TensorSpec, ...] = ()
   group: str | None = None
+  shard: tuple[str, int] | None = None
 
   def replace(self, **changes) -> "Node":
     return dataclasses.replace(self, **changes)
@@ -114,6 +124,8 @@ class Node:
       out["zero"] = self.zero
     if self.peer is not None:
       out["peer"] = list(self.peer)
+    if self.shard is not None:
+      out["shard"] = list(self.shard)
     if self.tensors:
       out["tensors"] = [t.to_json() for t in self.tensors]
     return out

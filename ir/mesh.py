@@ -23,6 +23,11 @@ class MeshSpec:
   groups: tuple[tuple[int, ...], ...]
   region_rank: Mapping[int, int]
   zero: int
+  inner: int = 1                       # devices of a shard / shard_tensor group
+  inner_kind: str | None = None        # "ep" or "tp" when inner > 1
+  sharded: Mapping[int, str] = dataclasses.field(default_factory=dict)  # region -> kind
+  # region -> {parameter leaf: the dimension split over the inner axis}
+  split_dims: Mapping[int, Mapping[int, int]] = dataclasses.field(default_factory=dict)
 
   @property
   def n_pp(self) -> int:
@@ -30,11 +35,30 @@ class MeshSpec:
 
   @property
   def n_dp(self) -> int:
+    """Devices per pipeline rank (data-parallel replicas times the inner group)."""
     return len(self.groups[0])
 
-  def device_grid(self) -> list[list[int]]:
-    """Devices as a [dp, pp] grid."""
-    return [[g[j] for g in self.groups] for j in range(self.n_dp)]
+  @property
+  def n_data(self) -> int:
+    """Ways the batch is split per rank: tensor-parallel devices share their rows."""
+    return self.n_dp // self.inner if self.inner_kind == "tp" else self.n_dp
+
+  @property
+  def axis_names(self) -> tuple[str, ...]:
+    """The device mesh's axes: ("dp", "pp"), or ("dp", "ep" | "tp", "pp") with an inner group."""
+    return ("dp", self.inner_kind, "pp") if self.inner_kind else ("dp", "pp")
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    """Axes the batch is split over and replicated parameters are reduced over."""
+    return ("dp", "ep") if self.inner_kind == "ep" else ("dp",)
+
+  def device_grid(self) -> list:
+    """Devices as a [dp, pp] grid, or [dp, inner, pp] with an inner group."""
+    if not self.inner_kind:
+      return [[g[j] for g in self.groups] for j in range(self.n_dp)]
+    k = self.inner
+    return [[[g[o * k + i] for g in self.groups] for i in range(k)] for o in range(self.n_dp // k)]
 
 
 def derive_mesh(graph: Graph, placed_by: Mapping[str, int], directives: Sequence[Directive]) -> MeshSpec:

@@ -12,7 +12,7 @@ from piper_jax.ir.graph import NodeKind
 from piper_jax.ir.mesh import derive_mesh
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.passes import (apply_order, insert_collectives, insert_send_recv, place_nodes,
-                                 split_backward, split_microbatches)
+                                 shard_regions, split_backward, split_microbatches)
 from piper_jax.ir.plan import Plan
 from piper_jax.ir.verify import verify
 
@@ -61,7 +61,8 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
               global_batch: int | None = None, check: bool = False) -> Plan:
   """Builds the global DAG of `model`, rewrites it with `directives` and orders it per device.
 
-  Pass order: split, BI/BW split (when a filter names BI or BW), place/replicate, mesh check, send/recv, collectives, order.
+  Pass order: split, BI/BW split (when a filter names BI or BW), place/replicate, mesh
+  check, send/recv, shard/shard_tensor, collectives, order.
   Raises `DirectiveError` (naming the directive) or `PlanError` for bad input.
   With `check`, `verify` runs after every pass and names the pass that broke it.
   """
@@ -70,9 +71,6 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
   for i, d in enumerate(directives):
     if not isinstance(d, Directive):
       raise TypeError(f"directive {i} is {d!r}, not a piper_jax directive (pj.place, ...)")
-    if isinstance(d, (Shard, ShardTensor)):
-      raise DirectiveError(f"{d.op} is not supported by this version yet; use place/replicate",
-                           i, d)
   n_mb = _num_microbatches(model, directives)
   _check_filters(model, directives, n_mb)
   graph = check_(build_graph(model), "build_graph")
@@ -90,12 +88,16 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
   mesh = derive_mesh(graph, placed_by, directives)
   graph = check_(graph, "place_nodes", placed=True)
   batch = model.batch_size if global_batch is None else global_batch
-  if batch % (mesh.n_dp * n_mb):
-    idx = next((i for i, d in enumerate(directives) if isinstance(d, Split)), None)
-    msg = (f"the batch of {batch} does not divide into {mesh.n_dp} data-parallel replicas x "
-           f"{n_mb} microbatches; pick a batch size divisible by {mesh.n_dp * n_mb}")
-    raise DirectiveError(msg, idx, directives[idx] if idx is not None else None)
   graph = check_(insert_send_recv(graph), "insert_send_recv", placed=True, cut=True)
+  graph, mesh = shard_regions(
+      graph, model, mesh,
+      [(i, d) for i, d in enumerate(directives) if isinstance(d, (Shard, ShardTensor))])
+  graph = check_(graph, "shard_regions", placed=True, cut=True)
+  if batch % (mesh.n_data * n_mb):
+    idx = next((i for i, d in enumerate(directives) if isinstance(d, Split)), None)
+    msg = (f"the batch of {batch} does not divide into {mesh.n_data} data-parallel replicas x "
+           f"{n_mb} microbatches; pick a batch size divisible by {mesh.n_data * n_mb}")
+    raise DirectiveError(msg, idx, directives[idx] if idx is not None else None)
   graph = check_(insert_collectives(graph, model, mesh), "insert_collectives", placed=True, cut=True)
   graph = check_(apply_order(graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)]),
                  "apply_order", placed=True, cut=True)

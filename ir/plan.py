@@ -66,7 +66,7 @@ def _compute_preds(graph: Graph, node: str) -> set[str]:
     seen.add(i)
     if graph.nodes[i].kind is NodeKind.COMPUTE:
       out.add(i)
-    elif graph.nodes[i].kind in (NodeKind.SEND, NodeKind.RECV):
+    elif graph.nodes[i].kind in (NodeKind.SEND, NodeKind.RECV, NodeKind.ALL_TO_ALL):
       stack += [e.src for e in graph.pred[i]]
   return out
 

@@ -1,10 +1,14 @@
-"""Packs parameter leaves into flat per-rank buffers sharded over ("pp", "dp")."""
+"""Packs parameter leaves into flat per-rank buffers sharded over ("pp", "dp").
+
+Leaves split by shard / shard_tensor are not packed: each lives in a
+[n_pp, n_inner, *piece] array whose rows are the devices' pieces.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +17,49 @@ from jax.sharding import PartitionSpec as P
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.plan import Plan
 
-__all__ = ["ParamLayout", "Home"]
+__all__ = ["ParamLayout", "Home", "match_positions"]
 
 SHARED = -1  # the slot index of the buffer every rank holds (tied or unused parameters)
+SPLIT = -2   # the slot index of leaves split over the inner axis (kept unpacked)
+
+
+def _signature(aval) -> tuple:
+  return (tuple(int(d) for d in aval.shape), str(jnp.dtype(aval.dtype)))
+
+
+def match_positions(per_rank: dict[int, list[tuple[Any, Any]]]) -> tuple[list[tuple], dict]:
+  """Gives each rank's values positions in one list, sharing positions by shape and dtype.
+
+  Values of equal shape and dtype on different ranks (a transformer block's on
+  every stage) share a position, so a `lax.switch` on the rank returns them without
+  packing. Returns the positions' (shape, dtype) and, per (rank, key), the position.
+  """
+  positions: list[tuple] = []
+  where: dict = {}
+  for rank, values in sorted(per_rank.items()):
+    used: set[int] = set()
+    for key, aval in values:
+      sig = _signature(aval)
+      pos = next((i for i, s in enumerate(positions) if s == sig and i not in used), None)
+      if pos is None:
+        positions.append(sig)
+        pos = len(positions) - 1
+      used.add(pos)
+      where[(rank, key)] = pos
+  return positions, where
+
+
+def _pieces(x: jax.Array, dim: int, n: int) -> jax.Array:
+  """[..., D, ...] -> [n, ..., D/n, ...]: the devices' pieces along `dim`."""
+  s = x.shape
+  return jnp.moveaxis(x.reshape(s[:dim] + (n, s[dim] // n) + s[dim + 1:]), dim, 0)
+
+
+def _whole(x: jax.Array, dim: int) -> jax.Array:
+  """The inverse of `_pieces`."""
+  x = jnp.moveaxis(x, 0, dim)
+  s = x.shape
+  return x.reshape(s[:dim] + (s[dim] * s[dim + 1],) + s[dim + 2:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +84,12 @@ class ParamLayout:
   `slots[dtype]`: [n_pp, n_dp, L] and `shared[dtype]`: [n_dp, C_shared].
   """
 
-  def __init__(self, model: ModelSpec, plan: Plan):
+  def __init__(self, model: ModelSpec, plan: Plan, split: dict[int, int] | None = None):
     mesh = plan.mesh
-    self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_dp, mesh.zero
+    self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
+    self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
+    self.inner, self.inner_axis = mesh.inner, mesh.inner_kind
+    self.split = dict(split or {})   # leaf -> its split dimension
     self.params = model.params
     self.slot_of_region: dict[int, int] = {}
     for rank in range(self.n_pp):
@@ -52,8 +99,19 @@ class ParamLayout:
     users = model.param_users()
     fill: dict[tuple[int | None, int, str], int] = {}
     self.home: list[Home] = []
+    split_vals: dict[int, list] = {r: [] for r in range(self.n_pp)}
     for p, spec in enumerate(model.params):
       ranks = {mesh.region_rank[u] for u in users[p]}
+      if p in self.split:
+        if len(ranks) != 1:
+          raise ValueError(f"parameter {spec.name} is split (shard/shard_tensor) and read on "
+                           f"several pipeline ranks; split parameters must stay on one rank")
+        rank = ranks.pop()
+        piece = list(spec.shape)
+        piece[self.split[p]] //= self.inner
+        split_vals[rank].append((p, jax.ShapeDtypeStruct(tuple(piece), jnp.dtype(spec.dtype))))
+        self.home.append(Home(rank, SPLIT, spec.dtype, 0, spec.size, spec.shape))
+        continue
       if len(ranks) == 1:
         rank, slot = ranks.pop(), self.slot_of_region[users[p][0]]
       else:
@@ -62,7 +120,9 @@ class ParamLayout:
       off = fill.get(key, 0)
       fill[key] = off + spec.size
       self.home.append(Home(rank, slot, spec.dtype, off, spec.size, spec.shape))
-    self.dtypes = sorted({s.dtype for s in model.params})
+    self.split_positions, where = match_positions(split_vals)
+    self.split_pos = {p: pos for (_, p), pos in where.items()}
+    self.dtypes = sorted({s.dtype for p, s in enumerate(model.params) if p not in self.split})
     # Chunk size of a (slot, dtype) segment: the largest over ranks, split n_dp ways.
     self.chunk: dict[tuple[int, str], int] = {}
     for (rank, slot, dt), n in fill.items():
@@ -91,13 +151,18 @@ class ParamLayout:
                   for dt in self.dtypes},
         "shared": {dt: jax.ShapeDtypeStruct((self.n_dp, self.shared_chunk[dt]), jnp.dtype(dt))
                    for dt in self.dtypes},
+        "split": [jax.ShapeDtypeStruct((self.n_pp, self.inner) + shape, jnp.dtype(dt))
+                  for shape, dt in self.split_positions],
     }
 
   def specs(self, sharded: bool) -> dict:
-    """PartitionSpecs of the buffers: chunks sharded over "dp" when `sharded` (ZeRO)."""
-    dp = "dp" if sharded else None
+    """PartitionSpecs of the buffers: chunks sharded over the data axes when `sharded`
+    (ZeRO); split leaves' pieces over the inner axis."""
+    dp = self.data_axes if sharded else None
     return {"slots": {dt: P("pp", dp, None) for dt in self.dtypes},
-            "shared": {dt: P(dp, None) for dt in self.dtypes}}
+            "shared": {dt: P(dp, None) for dt in self.dtypes},
+            "split": [P("pp", self.inner_axis, *([None] * len(shape)))
+                      for shape, _ in self.split_positions]}
 
   # -- packing --------------------------------------------------------------
 
@@ -122,12 +187,22 @@ class ParamLayout:
         ranks.append(jnp.pad(row, ((0, 0), (0, self.width[dt] - row.shape[1]))))
       slots[dt] = jnp.stack(ranks)
       shared[dt] = self._segment(leaves, None, SHARED, dt)
-    return {"slots": slots, "shared": shared}
+    split = []
+    for pos, (shape, dt) in enumerate(self.split_positions):
+      rows = [jnp.zeros((self.inner,) + shape, jnp.dtype(dt))] * self.n_pp
+      for p, q in self.split_pos.items():
+        if q == pos:
+          rows[self.home[p].rank] = _pieces(leaves[p], self.split[p], self.inner)
+      split.append(jnp.stack(rows))
+    return {"slots": slots, "shared": shared, "split": split}
 
   def unpack(self, buffers: dict) -> list[jax.Array]:
     """The buffers of `pack` -> parameter leaves in pytree order."""
     out = []
-    for h in self.home:
+    for p, h in enumerate(self.home):
+      if h.slot == SPLIT:
+        out.append(_whole(buffers["split"][self.split_pos[p]][h.rank], self.split[p]))
+        continue
       if h.slot == SHARED:
         seg = buffers["shared"][h.dtype].reshape(-1)
       else:
@@ -151,6 +226,10 @@ class ParamLayout:
       return local["shared"][dt].reshape(-1)
     off, c = self.slot_offset[(slot, dt)], self.chunk[(slot, dt)]
     return local["slots"][dt][0, 0, off:off + c]
+
+  def local_piece(self, local: dict, p: int) -> jax.Array:
+    """This device's piece of split leaf `p`."""
+    return local["split"][self.split_pos[p]][0, 0]
 
   def leaf(self, segment: jax.Array, h: Home) -> jax.Array:
     return segment[h.offset:h.offset + h.size].reshape(h.shape)

@@ -7,7 +7,9 @@ rank itself and one list per `ppermute` round for the values other ranks read.
 Gradients accumulate per leaf, unreduced over microbatches, and are laid out into
 the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
 reduce-scattered per tick (ZeRO 2/3); ZeRO-3 gathers a slot's parameters before the
-switch.
+switch. Expert-parallel regions exchange their tokens by all-to-all over "ep" before and
+after each pass; their parameters' pieces (and tensor-parallel ones) get gradients
+reduced only over "dp".
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from jax import lax
 
 from piper_jax.ir.graph import Pass
 from piper_jax.ir.plan import Plan, Task
-from piper_jax.lowering.layout import SHARED, ParamLayout
+from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions
+from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
                                         backward_weight, full_residuals, region_backward,
                                         region_forward, split_backward)
-from piper_jax.lowering.trace import TracedLoss
 
 __all__ = ["Program"]
 
@@ -35,33 +37,6 @@ __all__ = ["Program"]
 _GRAD_PASSES = (Pass.B, Pass.BW)
 
 
-def _signature(aval) -> tuple:
-  return (tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
-
-
-def _match_positions(per_rank: dict[int, list[tuple[Any, Any]]]) -> tuple[list[tuple], dict]:
-  """Gives each rank's values positions in one output list, sharing positions by shape.
-
-  `lax.switch` branches must return the same types; values of equal shape and dtype
-  on different ranks (a transformer block's on every stage) share a position, so
-  nothing is packed or copied. Returns the positions' (shape, dtype) and, per
-  (rank, key), the position of that value.
-  """
-  positions: list[tuple] = []
-  where: dict = {}
-  for rank, values in sorted(per_rank.items()):
-    used: set[int] = set()
-    for key, aval in values:
-      sig = _signature(aval)
-      pos = next((i for i, s in enumerate(positions) if s == sig and i not in used), None)
-      if pos is None:
-        positions.append(sig)
-        pos = len(positions) - 1
-      used.add(pos)
-      where[(rank, key)] = pos
-  return positions, where
-
-
 def _zeros(sig) -> jax.Array:
   return jnp.zeros(sig[0], jnp.dtype(sig[1]))
 
@@ -69,18 +44,21 @@ def _zeros(sig) -> jax.Array:
 class Program:
   """The per-tick lowering of a plan; `body` is the shard_map body of one step."""
 
-  def __init__(self, traced: TracedLoss, plan: Plan, layout: ParamLayout):
-    self.traced, self.plan, self.layout = traced, plan, layout
-    self.model = traced.spec
-    self.ad: dict[int, RegionAD] = {r.index: analyze_region(traced, r.index)
+  def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout):
+    self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
+    self.model = runner.spec
+    mesh = plan.mesh
+    self.data_axes = mesh.data_axes
+    self.n_data = mesh.n_data
+    self.ep = mesh.inner if mesh.inner_kind == "ep" else 0
+    self.ad: dict[int, RegionAD] = {r.index: analyze_region(runner, r.index)
                                     for r in self.model.regions}
     self.split: dict[int, BackwardSplit] = {}
     for t in plan.tasks.values():
       if t.pass_ is Pass.BI and t.region not in self.split:
-        spec = self.model.regions[t.region]
-        cts = [jax.ShapeDtypeStruct(spec.outputs[k].shape, jnp.dtype(spec.outputs[k].dtype))
-               for k in self.ad[t.region].float_outs]
-        self.split[t.region] = split_backward(self.ad[t.region], cts)
+        out_avals = runner.out_avals(t.region)
+        cts = [out_avals[k] for k in self.ad[t.region].float_outs]
+        self.split[t.region] = split_backward(self.ad[t.region], cts, runner.axis_env)
     self.n_mb = plan.n_microbatches
     self.mbs = self.model.batch_size
     self._plan_grads()
@@ -168,12 +146,12 @@ class Program:
             break
         else:
           rounds.append([(a, b)])
-      keep_pos, keep_where = _match_positions(keep_vals)
+      keep_pos, keep_where = match_positions(keep_vals)
       for (rank, key), pos in keep_where.items():
         self.loc[(key, rank)] = ("keep", tick_i, pos)
       round_info = []
       for ri, rnd in enumerate(rounds):
-        pos, where = _match_positions({a: msgs[(a, b)] for a, b in rnd})
+        pos, where = match_positions({a: msgs[(a, b)] for a, b in rnd})
         for a, b in rnd:
           for key, _ in msgs[(a, b)]:
             self.loc[(key, b)] = ("recv", tick_i, ri, where[(a, key)])
@@ -188,7 +166,8 @@ class Program:
     """ZeRO-0 with bucket_mb: per tick, the buckets of gradient positions that become final."""
     if self.layout.zero != 0 or not self.plan.bucket_mb or self.layout.n_dp == 1:
       return {}
-    last = {pos: t for t, info in enumerate(self.ticks) for pos in info["grads"]}
+    last = {pos: t for t, info in enumerate(self.ticks) for pos in info["grads"]
+            if pos < self.split_grad0}
     limit = self.plan.bucket_mb * 2**20
     out: dict[int, list[list[int]]] = {}
     for t in sorted(set(last.values())):
@@ -209,16 +188,30 @@ class Program:
     return [spec.params[i] for i in self.ad[region].diff_params]
 
   def _plan_grads(self):
-    """Positions of the per-leaf gradient accumulators, shared across ranks by shape."""
+    """Positions of the per-leaf gradient accumulators, shared across ranks by shape.
+
+    Split leaves (shard / shard_tensor) come last, at the positions of their
+    pieces in the layout: `split_grad0 + layout.split_pos[p]`.
+    """
+    layout = self.layout
     per_rank: dict[int, list] = {r: [] for r in range(self.plan.n_ranks)}
+    split_leaves: dict[int, int] = {}
     for r in self.model.regions:
       rank = self.plan.mesh.region_rank[r.index]
       for p in self._grad_leaves(r.index):
-        if all(k != p for k, _ in per_rank[rank]):
+        if p in layout.split:
+          split_leaves[p] = rank
+        elif all(k != p for k, _ in per_rank[rank]):
           per_rank[rank].append((p, jax.ShapeDtypeStruct(self.model.params[p].shape,
                                                           jnp.dtype(self.model.params[p].dtype))))
-    self.grad_positions, self.grad_where = _match_positions(per_rank)
-    self.grad_leaves_of_rank = {rank: [p for p, _ in vals] for rank, vals in per_rank.items()}
+    self.grad_positions, self.grad_where = match_positions(per_rank)
+    self.split_grad0 = len(self.grad_positions)
+    self.grad_positions += list(layout.split_positions)
+    for p, rank in split_leaves.items():
+      self.grad_where[(rank, p)] = self.split_grad0 + layout.split_pos[p]
+      per_rank[rank].append((p, None))
+    self.grad_leaves_of_rank = {rank: [p for p, _ in vals if p not in layout.split]
+                                for rank, vals in per_rank.items()}
 
   # -- the shard_map body -------------------------------------------------------
 
@@ -230,17 +223,18 @@ class Program:
   def body(self, params: dict, batch: list):
     """One training step on local shards -> (grads like params, summed mean loss)."""
     plan, layout = self.plan, self.layout
-    zero, n_dp = layout.zero, layout.n_dp
+    zero, axes = layout.zero, self.data_axes
     arrays: dict[tuple, jax.Array] = {}
     acc: dict = {}   # ZeRO 0/1: grad position -> sum; ZeRO 2/3: (slot, dtype) -> reduced chunk
+    split_acc: dict[int, jax.Array] = {}   # split leaves' pieces, by grad position
     loss = jnp.zeros((), jnp.float32)
     for tick_i, tick in enumerate(plan.ticks):
       info = self.ticks[tick_i]
       # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
       slots = sorted({layout.home[p].slot for ts in tick for t in ts
-                      for p in self.model.regions[t.region].params})
+                      for p in self.model.regions[t.region].params if p not in layout.split})
       if zero == 3:
-        segs = {(s, dt): lax.all_gather(layout.local_chunk(params, s, dt), "dp", tiled=True)
+        segs = {(s, dt): lax.all_gather(layout.local_chunk(params, s, dt), axes, tiled=True)
                 for s in slots for dt in layout.dtypes if layout.segment_size(s, dt)}
       else:
         segs = None
@@ -248,7 +242,8 @@ class Program:
                       for key in self._reads(t)
                       if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
       operands = {"arrays": {k: arrays[k] for k in reads},
-                  "params": params if segs is None else segs, "batch": batch}
+                  "params": params if segs is None else segs, "split": params["split"],
+                  "batch": batch}
       branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
                   for rank in range(plan.n_ranks)]
       keep, rounds, grads, tick_loss = self._switch(branches, operands)
@@ -258,9 +253,12 @@ class Program:
       for ri, ((rnd, _, _), payload) in enumerate(zip(info["rounds"], rounds)):
         for pos, x in enumerate(payload):
           arrays[("recv", tick_i, ri, pos)] = lax.ppermute(x, "pp", perm=rnd)
+      for pos in [p for p in grads if p >= self.split_grad0]:
+        x = grads.pop(pos)
+        split_acc[pos] = split_acc[pos] + x if pos in split_acc else x
       if zero >= 2 and grads:
         for key, x in self._assemble(grads).items():
-          x = lax.psum_scatter(x, "dp", scatter_dimension=0, tiled=True)
+          x = lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
           acc[key] = acc[key] + x if key in acc else x
       else:
         for pos, x in grads.items():
@@ -268,11 +266,24 @@ class Program:
         for bucket in self.buckets.get(tick_i, []):
           # One all-reduce of several arrays as soon as they are final, which XLA
           # can overlap with the backward work that follows.
-          for pos, x in zip(bucket, lax.psum(tuple(acc[p] for p in bucket), "dp")):
+          for pos, x in zip(bucket, lax.psum(tuple(acc[p] for p in bucket), axes)):
             acc[pos] = x
     if zero < 2:
       acc = self._assemble(acc) if acc else {}
-    return self._finish_grads(acc), lax.psum(loss, ("dp", "pp")) / (n_dp * self.n_mb)
+    out = self._finish_grads(acc)
+    out["split"] = self._finish_split(split_acc)
+    return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
+
+  def _finish_split(self, split_acc: dict[int, jax.Array]) -> list[jax.Array]:
+    """Split leaves' gradients, summed over the copies of their group ("dp"), as [1, 1, *piece]."""
+    out = []
+    for k, (shape, dt) in enumerate(self.layout.split_positions):
+      g = split_acc.get(self.split_grad0 + k)
+      g = jnp.zeros(shape, jnp.dtype(dt)) if g is None else g
+      if self.plan.mesh.n_dp // self.plan.mesh.inner > 1:
+        g = lax.psum(g, "dp")
+      out.append(g[None, None])
+    return out
 
   def _assemble(self, grads: dict[int, jax.Array]) -> dict[tuple, jax.Array]:
     """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments."""
@@ -317,6 +328,8 @@ class Program:
         return seg_cache[(slot, dt)]
 
       def param(p):
+        if p in layout.split:
+          return layout.local_piece({"split": ops["split"]}, p)
         h = layout.home[p]
         return layout.leaf(segment(h.slot, h.dtype), h)
 
@@ -331,9 +344,14 @@ class Program:
         spec, ad = model.regions[r], self.ad[r]
         params = [param(p) for p in spec.params]
         batch = batch_mb(r, m)
+        ep = self.runner.io_local(r)
         if t.pass_ is Pass.F:
           acts = [read(("act", x.region, m, x.output)) for x in spec.inputs]
-          outs, stored = region_forward(self.traced, ad, params, batch, acts)
+          if ep:
+            acts = [self._dispatch(x) for x in acts]
+          outs, stored = region_forward(self.runner, ad, params, batch, acts)
+          if ep:
+            outs = [self._combine(x) for x in outs]
           for k, x in enumerate(outs):
             env[("act", r, m, k)] = x
           for k, x in enumerate(stored):
@@ -357,8 +375,8 @@ class Program:
           for key in self._ct_sources(r, m, k):
             ct = ct + read(key).astype(ct.dtype)
           if spec.produces_loss and k == self.traced.loss_output():
-            ct = ct + jnp.asarray(1.0 / (layout.n_dp * self.n_mb), ct.dtype)
-          cts.append(ct)
+            ct = ct + jnp.asarray(1.0 / (self.n_data * self.n_mb), ct.dtype)
+          cts.append(self._dispatch(ct) if ep else ct)
         if t.pass_ is Pass.B:
           d_params, d_acts = region_backward(ad, stored, params, batch, acts, outs, cts)
         else:
@@ -373,7 +391,7 @@ class Program:
             d_params = backward_weight(self.split[r], res, cts, carry)
             d_acts = []
         for i, x in zip(ad.diff_acts, d_acts):
-          env[("ct", r, m, i)] = x
+          env[("ct", r, m, i)] = self._combine(x) if ep else x
         for i, g in zip(ad.diff_params, d_params):
           p = spec.params[i]
           grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
@@ -393,6 +411,17 @@ class Program:
       return keep, rounds, grads, loss
 
     return run
+
+  def _dispatch(self, x: jax.Array) -> jax.Array:
+    """[experts, ...] tokens of this device -> [source device, local experts, ...]."""
+    g = self.ep
+    x = x.reshape((g, x.shape[0] // g) + x.shape[1:])
+    return lax.all_to_all(x, "ep", 0, 0, tiled=True)
+
+  def _combine(self, x: jax.Array) -> jax.Array:
+    """The inverse of `_dispatch`: results go back to the devices the tokens came from."""
+    x = lax.all_to_all(x, "ep", 0, 0, tiled=True)
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
   def _finish_grads(self, grads: dict) -> dict:
     """Reduces accumulated gradients once and lays them out like the local param buffers."""
@@ -416,12 +445,12 @@ class Program:
     ZeRO-0: all-reduced, every replica keeps all rows; ZeRO-1: reduce-scattered to
     this replica's chunk; ZeRO-2/3: already reduce-scattered per tick.
     """
-    zero, n_dp = self.layout.zero, self.layout.n_dp
+    zero, n_dp, axes = self.layout.zero, self.layout.n_dp, self.data_axes
     if g is None:
       g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
     if zero == 0:
-      g = g if self.buckets else lax.psum(g, "dp")  # buckets were all-reduced already
+      g = g if self.buckets else lax.psum(g, axes)  # buckets were all-reduced already
       return g.reshape(n_dp, chunk)
     if zero == 1:
-      return lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True).reshape(1, chunk)
+      return lax.psum_scatter(g, axes, scatter_dimension=0, tiled=True).reshape(1, chunk)
     return g.reshape(1, chunk)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from piper_jax.lowering.trace import TracedLoss
+from piper_jax.lowering.local import RegionRunner
 
 __all__ = ["RegionAD", "analyze_region"]
 
@@ -82,15 +82,14 @@ class RegionAD:
     return [k for k, a in enumerate(self.alias) if a is None]
 
 
-def _fwd(traced: TracedLoss, r: int, ad: RegionAD | None, diff_params, diff_acts, float_outs,
-         params, batch, acts):
+def _fwd(runner: RegionRunner, r: int, diff_params, diff_acts, float_outs, params, batch, acts):
   def f(dp, da):
     p, a = list(params), list(acts)
     for k, i in enumerate(diff_params):
       p[i] = dp[k]
     for k, i in enumerate(diff_acts):
       a[i] = da[k]
-    outs = traced.run_region(r, p, batch, a)
+    outs = runner.run(r, p, batch, a)
     return ([outs[k] for k in float_outs],
             [outs[k] for k in range(len(outs)) if k not in float_outs])
 
@@ -101,15 +100,14 @@ def _fwd(traced: TracedLoss, r: int, ad: RegionAD | None, diff_params, diff_acts
   return fl, other, res, tree
 
 
-def analyze_region(traced: TracedLoss, r: int) -> RegionAD:
-  """Traces region `r`'s vjp once, abstractly, to learn its residuals and their aliases."""
-  spec = traced.spec.regions[r]
-  model = traced.spec
-  p_avals = [jax.ShapeDtypeStruct(model.params[i].shape, jnp.dtype(model.params[i].dtype))
-             for i in spec.params]
-  b_avals = [jax.ShapeDtypeStruct(model.batch[i].shape, jnp.dtype(model.batch[i].dtype))
-             for i in spec.batch]
-  a_avals = [jax.ShapeDtypeStruct(x.spec.shape, jnp.dtype(x.spec.dtype)) for x in spec.inputs]
+def analyze_region(runner: RegionRunner, r: int) -> RegionAD:
+  """Traces region `r`'s vjp once, abstractly, to learn its residuals and their aliases.
+
+  Inputs and outputs in the all-to-all layout (expert parallel) are not aliased:
+  the caller keeps them in the other layout.
+  """
+  spec = runner.spec.regions[r]
+  p_avals, b_avals, a_avals = runner.avals(r)
   is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
   diff_params = [i for i, a in enumerate(p_avals) if is_float(a)]
   diff_acts = [i for i, x in enumerate(spec.inputs) if x.differentiable]
@@ -118,12 +116,11 @@ def analyze_region(traced: TracedLoss, r: int) -> RegionAD:
   box = {}
 
   def probe(params, batch, acts):
-    fl, other, res, tree = _fwd(traced, r, None, diff_params, diff_acts, float_outs,
-                                params, batch, acts)
+    fl, other, res, tree = _fwd(runner, r, diff_params, diff_acts, float_outs, params, batch, acts)
     box["tree"] = tree
     return fl, other, res
 
-  closed = jax.make_jaxpr(probe)(p_avals, b_avals, a_avals)
+  closed = jax.make_jaxpr(probe, axis_env=runner.axis_env)(p_avals, b_avals, a_avals)
   jaxpr = closed.jaxpr
   n_p, n_b = len(p_avals), len(b_avals)
   invar_pos = {}
@@ -144,6 +141,8 @@ def analyze_region(traced: TracedLoss, r: int) -> RegionAD:
       alias.append(None)
       continue
     a = invar_pos.get(v) or out_pos.get(v)
+    if a is not None and runner.io_local(r) and a[0] in ("act", "out"):
+      a = None
     if a is None:
       cone = _param_only_cone(jaxpr, v, set(param_vars), defined)
       if cone is not None:
@@ -155,9 +154,9 @@ def analyze_region(traced: TracedLoss, r: int) -> RegionAD:
                   dict(zip(jaxpr.constvars, closed.consts)), param_vars)
 
 
-def region_forward(traced: TracedLoss, ad: RegionAD, params, batch, acts):
+def region_forward(runner: RegionRunner, ad: RegionAD, params, batch, acts):
   """Runs F: returns (outputs in spec order, stored residuals)."""
-  fl, other, res, _ = _fwd(traced, ad.region, ad, ad.diff_params, ad.diff_acts, ad.float_outs,
+  fl, other, res, _ = _fwd(runner, ad.region, ad.diff_params, ad.diff_acts, ad.float_outs,
                            params, batch, acts)
   outs = [None] * (len(fl) + len(other))
   for k, x in zip(ad.float_outs, fl):
@@ -211,13 +210,13 @@ def _needed(eqns, outvars) -> list[bool]:
   return keep
 
 
-def split_backward(ad: RegionAD, ct_avals) -> BackwardSplit:
+def split_backward(ad: RegionAD, ct_avals, axis_env=()) -> BackwardSplit:
   """Traces region B once and partitions its equations into BI and BW."""
   def bwd(res, cts):
     d_params, d_acts = jax.tree_util.tree_unflatten(ad.res_tree, res)(list(cts))
     return list(d_params) + list(d_acts)
 
-  closed = jax.make_jaxpr(bwd)(list(ad.res_avals), list(ct_avals))
+  closed = jax.make_jaxpr(bwd, axis_env=list(axis_env))(list(ad.res_avals), list(ct_avals))
   j = closed.jaxpr
   n_p = len(ad.diff_params)
   bi_keep = _needed(j.eqns, j.outvars[n_p:])

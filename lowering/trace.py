@@ -21,8 +21,16 @@ def path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def _spec(name: str, aval) -> TensorSpec:
-  return TensorSpec(name, tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
+def _spec(name: str, aval, names=None) -> TensorSpec:
+  return TensorSpec(name, tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)),
+                    None if names is None else tuple(names))
+
+
+def _partition_names(params) -> list:
+  """Per parameter leaf, its Flax partitioning names (`nn.with_partitioning`) or None."""
+  boxed = lambda x: hasattr(x, "names") and hasattr(x, "unbox")
+  return [tuple(x.names) if boxed(x) else None
+          for x in jax.tree_util.tree_leaves(params, is_leaf=boxed)]
 
 
 def _is_float(aval) -> bool:
@@ -107,6 +115,7 @@ class TracedLoss:
     self.batch_vars = list(jaxpr.invars[n_p:])
     self.loss_var = jaxpr.outvars[0]
     self.regions = self._cut(jaxpr)
+    self.partition_names = _partition_names(params)
     self.spec = self._spec(p_names, p_avals, b_names, b_avals, batch_size)
 
   def _cut(self, jaxpr) -> list[_Region]:
@@ -180,7 +189,8 @@ class TracedLoss:
           produces_loss=(i == self.loss_region), flops=sum(_eqn_flops(e) for e in r.eqns)))
     return ModelSpec(
         regions=tuple(specs),
-        params=tuple(_spec(n, a) for n, a in zip(p_names, p_avals)),
+        params=tuple(_spec(n, a, names)
+                     for n, a, names in zip(p_names, p_avals, self.partition_names)),
         batch=tuple(_spec(n, a) for n, a in zip(b_names, b_avals)),
         batch_size=batch_size)
 

@@ -14,6 +14,7 @@ from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering import compat
 from piper_jax.lowering.layout import ParamLayout
+from piper_jax.lowering.local import RegionRunner, SplitAxis
 from piper_jax.lowering.program import Program
 from piper_jax.lowering.trace import trace_loss
 
@@ -60,7 +61,7 @@ def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
   traced = trace_loss(loss_fn, params, example_batch)
   plan = make_plan(traced.spec, directives, n_devices)
   batch_size = traced.spec.batch_size
-  mbs = batch_size // (plan.mesh.n_dp * plan.n_microbatches)
+  mbs = batch_size // (plan.mesh.n_data * plan.n_microbatches)
   if mbs != batch_size:
     mb_batch = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((mbs,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
@@ -94,20 +95,25 @@ class TrainStep:
     self.directives = load_directives(directives)
     self.optimizer = optimizer
     traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch, len(self.devices))
-    batch_size = traced.spec.batch_size * plan.mesh.n_dp * plan.n_microbatches
+    pm = plan.mesh
+    batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
     self.plan: Plan = plan
     self.batch_size = batch_size
     self._traced = traced
-    self._layout = layout = ParamLayout(traced.spec, plan)
-    self._program = Program(traced, plan, layout)
-    grid = np.array([[self.devices[d] for d in row] for row in plan.mesh.device_grid()])
-    self.mesh = Mesh(grid, ("dp", "pp"))
-    zero = plan.mesh.zero
+    split = {p: d for dims in pm.split_dims.values() for p, d in dims.items()}
+    self._layout = layout = ParamLayout(traced.spec, plan, split)
+    axis = SplitAxis(pm.inner_kind, pm.inner, pm.inner_kind) if pm.inner_kind else None
+    runner = RegionRunner(traced, pm.sharded, axis, pm.split_dims)
+    self._program = Program(runner, plan, layout)
+    grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
+    self.mesh = Mesh(grid, pm.axis_names)
+    zero = pm.zero
     param_specs = layout.specs(sharded=zero >= 3)
     grad_specs = layout.specs(sharded=zero >= 1)
     n_batch = len(traced.spec.batch)
+    batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")
     body = _shard_map(self._program.body, self.mesh,
-                      in_specs=(param_specs, [P("dp")] * n_batch),
+                      in_specs=(param_specs, [batch_spec] * n_batch),
                       out_specs=(grad_specs, P()))
     to_sharding = lambda specs: jax.tree_util.tree_map(
         lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
@@ -120,10 +126,12 @@ class TrainStep:
     for kind in ("slots", "shared"):
       for dt, s in shapes[kind].items():
         opt_spec_of.setdefault(s.shape, grad_specs[kind][dt])
+    for s, spec in zip(shapes["split"], grad_specs["split"]):
+      opt_spec_of.setdefault(s.shape, spec)
     opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
     self._opt_shardings = to_sharding(opt_specs)
     self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
-    self._batch_sharding = NamedSharding(self.mesh, P("dp"))
+    self._batch_sharding = NamedSharding(self.mesh, batch_spec)
     replicated = NamedSharding(self.mesh, P())
 
     def step_fn(state: TrainState, batch: list):
@@ -196,7 +204,7 @@ class TrainStep:
     for _, x in self._traced.param_leaves:
       shape = np.shape(x)
       axis = next((i for i, d in enumerate(shape) if d % n == 0), None)
-      spec = P() if axis is None else P(*([None] * axis + [("dp", "pp")]))
+      spec = P() if axis is None else P(*([None] * axis + [tuple(self.mesh.axis_names)]))
       out.append(NamedSharding(self.mesh, spec))
     return out
 
@@ -238,7 +246,7 @@ class TrainStep:
 
 
 def _is_buffers(x) -> bool:
-  return isinstance(x, dict) and set(x) == {"slots", "shared"}
+  return isinstance(x, dict) and set(x) == {"slots", "shared", "split"}
 
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,

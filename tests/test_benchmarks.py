@@ -30,3 +30,18 @@ def test_run_small(tmp_path):
   assert "| tiny | pp-1f1b |" in proc.stdout
   # Pipelines on 4 ranks x DP 2 carry the simulator's prediction beside the measurement.
   assert all(r["sim_ms"] > 0 and r["devices"] == 8 for r in rows if r["variant"].startswith("pp-"))
+
+
+@pytest.mark.timeout(300)
+def test_run_small_moe(tmp_path):
+  out = tmp_path / "moe.json"
+  variants = ["jit-dp", "dp+ep", "pp-1f1b+ep", "pp-dualpipev"]
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--model", "moe-tiny",
+       "--pp", "2", "--variants", ",".join(variants), "--out", str(out)],
+      capture_output=True, text=True, timeout=280)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["variant"] for r in rows] == variants and all("error" not in r for r in rows), rows
+  losses = [r["loss"] for r in rows]  # dropless routing: the same numbers under every strategy
+  assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses

@@ -121,13 +121,6 @@ def test_annotation_inside_a_transformed_function():
     pj.compile(loss, optimizer(), [pj.place({}, [0])], params, random_batch(jax.random.PRNGKey(0), 8))
 
 
-def test_shard_and_shard_tensor_not_supported_yet():
-  _raises([pj.place({}, [0]), pj.shard({"PP": 0}, [0, 1])], r"directive 1 \{\"op\": \"shard\"",
-          "not supported by this version yet")
-  _raises([pj.place({}, [0]), pj.shard_tensor({"PP": 1}, [0, 1])], r"directive 1 ",
-          "shard_tensor is not supported")
-
-
 def test_different_bucket_sizes():
   d = [pj.replicate({"PP": 0}, [0, 2], bucket_mb=10), pj.replicate({"PP": 1}, [1, 3], bucket_mb=20)]
   _raises(d, r"directive 0 ", "different bucket sizes \\[10, 20\\]", "one bucket_mb")

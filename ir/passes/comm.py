@@ -42,19 +42,24 @@ def insert_collectives(graph: Graph, model: ModelSpec, mesh: MeshSpec) -> Graph:
   ZeRO-2: a REDUCE_SCATTER per microbatch, an ALL_GATHER after UPDATE.
   ZeRO-3: an ALL_GATHER of parameters before every F and B, a REDUCE_SCATTER per
   microbatch. Parameters read on several pipeline ranks get an ALL_REDUCE of
-  their gradients over "pp".
+  their gradients over "pp". Expert parameters (shard) are all-reduced only over
+  the copies of their expert group, with no ZeRO.
   """
   nodes, edges = list(graph.nodes.values()), list(graph.edges)
   by_region: dict[int, list[Node]] = {}
   for n in graph.compute_nodes():
     by_region.setdefault(n.region, []).append(n)
-  zero = mesh.zero
   for r in model.regions:
     upd = graph.nodes[f"upd{r.index}"]
     params = upd.tensors
-    if mesh.n_dp > 1 and params:
+    # Expert parameters are reduced only between the copies of an expert group.
+    experts = mesh.sharded.get(r.index) == "ep"
+    replicas = mesh.n_dp // mesh.inner if experts else mesh.n_data
+    zero = 0 if experts else mesh.zero
+    axis = "dp" if experts else "+".join(mesh.data_axes)
+    if replicas > 1 and params:
       backs = [n for n in by_region[r.index] if n.pass_.value != "F"]
-      common = dict(region=r.index, tags=r.tags, devices=upd.devices, zero=zero, axis="dp",
+      common = dict(region=r.index, tags=r.tags, devices=upd.devices, zero=zero, axis=axis,
                     tensors=params)
       if zero in (0, 1):
         kind = NodeKind.ALL_REDUCE if zero == 0 else NodeKind.REDUCE_SCATTER

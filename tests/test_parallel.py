@@ -1,0 +1,156 @@
+"""Expert parallel (shard) and tensor parallel (shard_tensor), alone and with PP x DP x ZeRO.
+
+Each run must give the numbers of one device (the MoE model routes dropless, so
+grouping tokens differently cannot change the result), and each device must hold
+only its piece of the expert / tensor-parallel parameters.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import optax
+
+import piper_jax as pj
+from examples import gpt, moe
+from models import assert_same_run
+
+# Adam moves a weight whose gradient is at rounding level (an expert that few tokens
+# reach) by a full step of that noise with eps=1e-8; eps=1e-6 keeps the comparison
+# about the gradients, which assert_same_run also checks directly.
+MOE_TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-6, weight_decay=0.1))
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _moe(n_stages=1, **kw):
+  config = moe.MoEConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=max(2, n_stages),
+                         n_heads=2, n_stages=n_stages, **kw)
+  model = moe.MoEGPT(config)
+  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
+
+
+def _tp_gpt(n_stages=1):
+  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2,
+                         n_stages=n_stages, tp_axis="tp")
+  model = gpt.GPT(config)
+  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
+
+
+@pytest.fixture
+def batches_of(monkeypatch):
+  import models
+
+  def use(config):
+    monkeypatch.setattr(models, "random_batch",
+                        lambda rng, n: gpt.random_batch(config, rng, n, pattern_seed=1))
+
+  return use
+
+
+def _split_piece_shapes(state):
+  """Per split buffer: the shape of one device's piece."""
+  return [x.addressable_shards[0].data.shape for x in state.params["split"]]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_expert_parallel(n, batches_of):
+  config, loss, params = _moe(shared_expert=(n == 4))
+  batches_of(config)
+  devices = list(range(n))
+  step, state = assert_same_run(loss, params, [pj.replicate({}, devices), pj.shard({"EP": "*"}, devices)],
+                                batch_size=8, tx=MOE_TX)
+  assert step.plan.mesh.axis_names == ("dp", "ep", "pp")
+  # [1 rank, 1 device, experts / n, ...] per device: the experts are partitioned.
+  assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // n}
+  a2a = [x for x in step.plan.graph.nodes.values() if x.kind.value == "all_to_all"]
+  assert len(a2a) == 2 * 2 * config.n_layers  # in and out of every expert F and B
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
+  # 2 pipeline ranks x 4 devices each; experts split over blocks of 2 of them, the blocks
+  # replicate each other (expert data parallel), other parameters are ZeRO-1 over all 4.
+  n_stages = 2 if schedule == "1f1b" else 4
+  config, loss, params = _moe(n_stages)
+  batches_of(config)
+  directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=4, zero=1)
+  directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
+  step, state = assert_same_run(loss, params, directives, batch_size=16, tx=MOE_TX)
+  assert step.plan.mesh.inner == 2 and step.plan.mesh.n_pp == 2
+  assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2}
+  slots = state.params["slots"]["float32"]
+  moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.shape == slots.shape]
+  assert moments and all(x.addressable_shards[0].data.shape[:2] == (1, 1) for x in moments)
+
+
+def test_tensor_parallel(batches_of):
+  config, loss, params = _tp_gpt()
+  batches_of(config)
+  step, state = assert_same_run(loss, params, [pj.replicate({}, [0, 1]), pj.shard_tensor({}, [0, 1])],
+                                batch_size=8)
+  # qkv/fc columns and out/proj rows: each device holds half of every split weight.
+  names = {s.name: s for s in step.plan.model.params}
+  qkv = names["block_0/attn/qkv/kernel/value"]
+  assert qkv.names == (None, "tp")
+  split = step._layout.split
+  assert all(step.plan.model.params[p].names[d] == "tp" for p, d in split.items())
+  got = {s for s in _split_piece_shapes(state)}
+  assert (1, 1, config.d_model, 3 * config.d_model // 2) in got
+
+
+def test_tp2_x_pp2_x_dp2(batches_of):
+  config, loss, params = _tp_gpt(n_stages=2)
+  batches_of(config)
+  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=4, zero=1)
+  directives.append(pj.shard_tensor({}, [0, 2, 1, 3]))
+  step, _ = assert_same_run(loss, params, directives, batch_size=8)
+  assert step.plan.mesh.axis_names == ("dp", "tp", "pp") and step.plan.mesh.n_data == 2
+
+
+def _plan(loss, params, config, directives, batch=8, n_devices=8):
+  return pj.plan(loss, directives, params, gpt.random_batch(config, jax.random.PRNGKey(0), batch),
+                 n_devices)
+
+
+def _raises(fn, *patterns):
+  with pytest.raises(pj.PlanError) as info:
+    fn()
+  for p in patterns:
+    assert __import__("re").search(p, str(info.value)), str(info.value)
+
+
+def test_bad_shard_directives():
+  config, loss, params = _moe()
+  plan = lambda d: _plan(loss, params, config, d)
+  # An EP region must see [experts, ...] tensors only: the PP region has none.
+  _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"PP": 0}, [0, 1])]),
+          r"directive 1 \{\"op\": \"shard\"", "lacks the expert axis|reads the batch")
+  # 4 experts over 3 devices.
+  _raises(lambda: plan([pj.replicate({}, [0, 1, 2]), pj.shard({"EP": "*"}, [0, 1, 2])]),
+          "directive 1", "4 experts of region .* do not divide over 3 devices")
+  # Devices outside the region's group, and a block that is not aligned.
+  _raises(lambda: plan([pj.replicate({}, [0, 1, 2, 3]), pj.shard({"EP": "*"}, [1, 2])]),
+          "directive 1", "aligned block")
+  _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [4, 5])]),
+          "none of devices")
+  # shard and shard_tensor on the same region.
+  _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [0, 1]),
+                        pj.shard_tensor({"EP": 0}, [0, 1])]),
+          r"directive 2 \{\"op\": \"shard_tensor\"", "not both")
+
+
+def test_bad_shard_tensor_directives():
+  config, loss, params = _tp_gpt()
+  plan = lambda d: _plan(loss, params, config, d)
+  # 16 columns of out/proj rows over 3 devices do not divide.
+  _raises(lambda: plan([pj.replicate({}, [0, 1, 2]), pj.shard_tensor({}, [0, 1, 2])]),
+          r"directive 1 \{\"op\": \"shard_tensor\"", "does not divide over 3 devices")
+  # A partitioning name no parameter has.
+  _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard_tensor({}, [0, 1], axis="model")]),
+          "no parameter .* partitioning name 'model'")
+  # Splitting a region's tensors where the split dimension would mix with others.
+  plain, ploss, pparams = _moe()
+  _raises(lambda: _plan(ploss, pparams, plain, [pj.replicate({}, [0, 1]),
+                                               pj.shard_tensor({}, [0, 1])]),
+          "no parameter")
