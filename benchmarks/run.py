@@ -71,7 +71,7 @@ def _config(model: str, n_stages: int):
   from examples import gpt, moe
   if model.startswith("moe-"):
     if model == "moe-tiny":
-      return moe.get_config("tiny", n_stages=n_stages, n_layers=4)
+      return moe.get_config("tiny", n_stages=n_stages, n_layers=4, n_experts=8)
     return moe.get_config(model[4:], n_stages=n_stages, dtype=jnp.bfloat16,
                           param_dtype=jnp.float32)
   if model == "tiny":

@@ -72,24 +72,33 @@ def _compute_preds(graph: Graph, node: str) -> set[str]:
 
 
 def schedule_ticks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: Mapping[str, int],
-                   cost: Mapping[str, float], budget: float) -> dict[str, int]:
+                   cost: Mapping[str, float], budget: float,
+                   chain: Mapping[str, tuple] | None = None) -> dict[str, int]:
   """Assigns each compute node a tick.
 
   A node runs in the tick of a same-rank producer or later, and at least one tick
   after a producer on another rank (messages move between ticks). A rank's tick
   takes nodes while their cost fits `budget`, and always takes a member of an order
-  group whose other member it already holds; ticks never go back along a rank.
+  group whose other member it already holds, or the next node of the `chain` (same
+  key) its last node belongs to: the regions of one stage, microbatch and pass stay
+  in one tick. Ticks never go back along a rank.
   """
+  chain = chain or {}
   tick_of: dict[str, int] = {}
   cur: dict[int, int] = {}
   load: dict[tuple[int, int], float] = {}
   group_tick: dict[tuple[int, str], int] = {}
+  last: dict[int, str] = {}
   for n in order:
     r = rank[n.id]
     t = cur.get(r, 0)
     for p in preds[n.id]:
       t = max(t, tick_of[p] + (rank[p] != r))
     together = n.group is not None and group_tick.get((r, n.group)) == t
+    prev = last.get(r)
+    together |= (prev is not None and chain.get(n.id) is not None
+                 and chain.get(prev) == chain[n.id] and tick_of[prev] == t)
+    last[r] = n.id
     if (not together and t == cur.get(r, 0) and load.get((r, t), 0) > 0
         and load[(r, t)] + cost[n.id] > budget):
       t += 1
@@ -137,9 +146,12 @@ class Plan:
         if a.region == b.region and a.mb == b.mb and a.pass_ is Pass.F and b.pass_ is not Pass.F})
     if mesh.n_pp == 1:  # no messages between ranks: one tick holds everything
       candidates = [float("inf")]
+    # A stage cut into several regions (EP regions inside a PP region) runs a
+    # microbatch's pass in one tick: the regions that share an outermost annotation.
+    chain = {n.id: (n.tags[0], n.mb, n.pass_ is Pass.F) for n in order if n.tags}
     best = None
     for budget in candidates:
-      tick_of = schedule_ticks(order, preds, rank, cost, budget)
+      tick_of = schedule_ticks(order, preds, rank, cost, budget, chain)
       span = _makespan(tick_of, rank, cost)
       if best is None or span < best[0] - 1e-9:
         best = (span, tick_of)

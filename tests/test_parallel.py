@@ -24,8 +24,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _moe(n_stages=1, **kw):
-  config = moe.MoEConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=max(2, n_stages),
-                         n_heads=2, n_stages=n_stages, **kw)
+  kw.setdefault("n_layers", max(2, n_stages))
+  config = moe.MoEConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_stages=n_stages, **kw)
   model = moe.MoEGPT(config)
   return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
 
@@ -154,3 +154,15 @@ def test_bad_shard_tensor_directives():
   _raises(lambda: _plan(ploss, pparams, plain, [pj.replicate({}, [0, 1]),
                                                pj.shard_tensor({}, [0, 1])]),
           "no parameter")
+
+
+def test_stage_of_several_regions_runs_in_one_tick():
+  # A stage cut into 3 regions per layer by its EP regions still runs each microbatch's
+  # F (and B) in one tick: 1F1B over 2 ranks x 4 microbatches takes 2 (m + p - 1) ticks.
+  config, loss, params = _moe(n_stages=2, n_layers=4)
+  plan = _plan(loss, params, config, pj.strategies.pipeline(2, 4, "1f1b"), batch=8)
+  assert len(plan.model.regions) == 2 * (2 * 2 + 1)
+  assert len(plan.ticks) == 2 * (4 + 2 - 1)
+  for tick in plan.ticks:
+    for tasks in tick:
+      assert len({(t.mb, t.pass_) for t in tasks}) <= 2  # at most one F and one B
