@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -152,9 +152,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-LN transformer block."""
+  """Pre-LN transformer block; subclasses swap the MLP (`mlp_cls`)."""
 
   config: GPTConfig
+  mlp_cls: ClassVar[type] = MLP
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -162,14 +163,18 @@ class Block(nn.Module):
     ln = lambda name: nn.LayerNorm(
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     x = x + CausalSelfAttention(cfg, name="attn")(ln("ln1")(x))
-    x = x + MLP(cfg, name="mlp")(ln("ln2")(x))
+    x = x + self.mlp_cls(cfg, name="mlp")(ln("ln2")(x))
     return x
 
 
 class GPT(nn.Module):
-  """Decoder-only transformer: tokens [B, T] -> logits [B, T, vocab]."""
+  """Decoder-only transformer: tokens [B, T] -> logits [B, T, vocab].
+
+  Subclasses swap the block (`block_cls`), as `examples.moe.MoEGPT` does.
+  """
 
   config: GPTConfig
+  block_cls: ClassVar[type] = Block
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -187,7 +192,7 @@ class GPT(nn.Module):
       with annotate("PP"):
         for i in range(stage * cfg.layers_per_stage,
                        (stage + 1) * cfg.layers_per_stage):
-          x = Block(cfg, name=f"block_{i}")(x)
+          x = self.block_cls(cfg, name=f"block_{i}")(x)
 
     x = nn.LayerNorm(
         dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f")(x)

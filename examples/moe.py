@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from examples.gpt import CausalSelfAttention, GPTConfig, _dense_init
+from examples.gpt import GPT, MLP, Block, GPTConfig, _dense_init
 from piper_jax.annotate import annotate
 
 __all__ = ["MoEConfig", "MoEGPT", "PRESETS", "flops_per_token", "get_config"]
@@ -111,25 +111,17 @@ class MoE(nn.Module):
     out = jnp.einsum("nec,ecd->nd", combine, Experts(cfg, name="experts")(routed))
     out = out.reshape(b, t, d)
     if cfg.shared_expert:
-      from examples.gpt import MLP
       out = out + MLP(cfg, name="shared")(x)
     return out
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(Block):
   """Pre-LN transformer block with an MoE MLP."""
 
-  config: MoEConfig
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    cfg = self.config
-    ln = lambda name: nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
-    x = x + CausalSelfAttention(cfg, name="attn")(ln("ln1")(x))
-    return x + MoE(cfg, name="moe")(ln("ln2")(x))
+  mlp_cls = MoE
 
 
-class MoEGPT(nn.Module):
+class MoEGPT(GPT):
   """Decoder-only MoE transformer: tokens [B, T] -> logits [B, T, vocab].
 
   Blocks are grouped into `n_stages` ``annotate("PP")`` regions as in `GPT`;
@@ -137,22 +129,7 @@ class MoEGPT(nn.Module):
   """
 
   config: MoEConfig
-
-  @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    cfg = self.config
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                     embedding_init=_dense_init(0.02), name="embed")
-    pos_embed = nn.Embed(cfg.seq_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                         embedding_init=_dense_init(0.01), name="pos_embed")
-    x = embed(tokens) + pos_embed(jnp.arange(tokens.shape[1]))[None]
-    for stage in range(cfg.n_stages):
-      with annotate("PP"):
-        for i in range(stage * cfg.layers_per_stage, (stage + 1) * cfg.layers_per_stage):
-          x = MoEBlock(cfg, name=f"block_{i}")(x)
-    x = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln_f")(x)
-    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                    kernel_init=_dense_init(0.02), name="head")(x)
+  block_cls = MoEBlock
 
 
 def flops_per_token(config: MoEConfig) -> float:
