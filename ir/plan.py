@@ -193,9 +193,11 @@ class Plan:
         comm[n.kind.value] = comm.get(n.kind.value, 0) + 1
     regions = ", ".join(f"{r.index}:{r.name}->rank {self.mesh.region_rank[r.index]}"
                         for r in self.model.regions)
+    m = self.mesh
+    inner = f" ({m.inner_kind}={m.inner} inside)" if m.inner_kind else ""
     lines = [
         f"Plan: {len(self.model.regions)} regions, {self.n_microbatches} microbatches, "
-        f"mesh dp={self.mesh.n_dp} x pp={self.mesh.n_pp}, zero={self.mesh.zero}",
+        f"mesh dp={m.n_dp}{inner} x pp={m.n_pp}, zero={m.zero}",
         f"regions: {regions}",
         "communication nodes: " + (", ".join(f"{k} x{v}" for k, v in sorted(comm.items())) or "none"),
         self.table(),
@@ -206,7 +208,10 @@ class Plan:
 
   def to_json(self) -> dict:
     return {
-        "mesh": {"groups": [list(g) for g in self.mesh.groups], "zero": self.mesh.zero},
+        "mesh": {"groups": [list(g) for g in self.mesh.groups], "zero": self.mesh.zero,
+                 **({"inner": {"kind": self.mesh.inner_kind, "size": self.mesh.inner,
+                               "regions": sorted(self.mesh.sharded)}}
+                    if self.mesh.inner_kind else {})},
         "n_microbatches": self.n_microbatches,
         "ticks": [[[t.label for t in ts] for ts in tick] for tick in self.ticks],
         "graph": self.graph.to_json(),

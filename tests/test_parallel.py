@@ -53,14 +53,15 @@ def _split_piece_shapes(state):
   return [x.addressable_shards[0].data.shape for x in state.params["split"]]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_expert_parallel(n, batches_of):
+@pytest.mark.parametrize("n,zero", [(2, 3), (4, 0)])
+def test_expert_parallel(n, zero, batches_of):
+  # EP 2 in blocks of a 4-device ZeRO-3 group (the other parameters are gathered over
+  # all 4), and EP 4 over the whole group.
   config, loss, params = _moe(shared_expert=(n == 4))
   batches_of(config)
-  devices = list(range(n))
-  step, state = assert_same_run(loss, params, [pj.replicate({}, devices), pj.shard({"EP": "*"}, devices)],
-                                batch_size=8, tx=MOE_TX)
-  assert step.plan.mesh.axis_names == ("dp", "ep", "pp")
+  directives = [pj.replicate({}, [0, 1, 2, 3], zero=zero), pj.shard({"EP": "*"}, list(range(n)))]
+  step, state = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX)
+  assert step.plan.mesh.axis_names == ("dp", "ep", "pp") and step.plan.mesh.inner == n
   # [1 rank, 1 device, experts / n, ...] per device: the experts are partitioned.
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // n}
   a2a = [x for x in step.plan.graph.nodes.values() if x.kind.value == "all_to_all"]
@@ -85,18 +86,20 @@ def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
 
 
 def test_tensor_parallel(batches_of):
+  # TP 2 x DP 2 with ZeRO-3 for the parameters that are not split.
   config, loss, params = _tp_gpt()
   batches_of(config)
-  step, state = assert_same_run(loss, params, [pj.replicate({}, [0, 1]), pj.shard_tensor({}, [0, 1])],
-                                batch_size=8)
+  directives = [pj.replicate({}, [0, 1, 2, 3], zero=3), pj.shard_tensor({}, [0, 1])]
+  step, state = assert_same_run(loss, params, directives, batch_size=8)
   # qkv/fc columns and out/proj rows: each device holds half of every split weight.
   names = {s.name: s for s in step.plan.model.params}
-  qkv = names["block_0/attn/qkv/kernel/value"]
-  assert qkv.names == (None, "tp")
+  assert names["block_0/attn/qkv/kernel/value"].names == (None, "tp")
   split = step._layout.split
   assert all(step.plan.model.params[p].names[d] == "tp" for p, d in split.items())
-  got = {s for s in _split_piece_shapes(state)}
-  assert (1, 1, config.d_model, 3 * config.d_model // 2) in got
+  assert (1, 1, config.d_model, 3 * config.d_model // 2) in set(_split_piece_shapes(state))
+  # The canonical layout (checkpoints) puts the pieces back together.
+  again = step.from_canonical(step.canonical(state))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, step.params(again), step.params(state))
 
 
 def test_tp2_x_pp2_x_dp2(batches_of):
