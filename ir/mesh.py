@@ -23,10 +23,10 @@ class MeshSpec:
   groups: tuple[tuple[int, ...], ...]
   region_rank: Mapping[int, int]
   zero: int
-  inner: int = 1                       # devices of a shard / shard_tensor group
-  inner_kind: str | None = None        # "ep" or "tp" when inner > 1
+  # Devices of a shard ("ep") / shard_tensor ("tp") group, for the kinds the plan uses.
+  inner: Mapping[str, int] = dataclasses.field(default_factory=dict)
   sharded: Mapping[int, str] = dataclasses.field(default_factory=dict)  # region -> kind
-  # region -> {parameter leaf: the dimension split over the inner axis}
+  # region -> {parameter leaf: the dimension split over the region's inner axis}
   split_dims: Mapping[int, Mapping[int, int]] = dataclasses.field(default_factory=dict)
 
   @property
@@ -35,30 +35,44 @@ class MeshSpec:
 
   @property
   def n_dp(self) -> int:
-    """Devices per pipeline rank (data-parallel replicas times the inner group)."""
+    """Devices per pipeline rank (data-parallel replicas times the inner groups)."""
     return len(self.groups[0])
+
+  def size(self, kind: str) -> int:
+    """Devices of a `kind` ("ep" or "tp") group; 1 when the plan has none."""
+    return self.inner.get(kind, 1)
 
   @property
   def n_data(self) -> int:
     """Ways the batch is split per rank: tensor-parallel devices share their rows."""
-    return self.n_dp // self.inner if self.inner_kind == "tp" else self.n_dp
+    return self.n_dp // self.size("tp")
 
   @property
   def axis_names(self) -> tuple[str, ...]:
-    """The device mesh's axes: ("dp", "pp"), or ("dp", "ep" | "tp", "pp") with an inner group."""
-    return ("dp", self.inner_kind, "pp") if self.inner_kind else ("dp", "pp")
+    """The device mesh's axes: ("dp", ["ep",] ["tp",] "pp")."""
+    return ("dp",) + tuple(k for k in _INNER if k in self.inner) + ("pp",)
 
   @property
   def data_axes(self) -> tuple[str, ...]:
     """Axes the batch is split over and replicated parameters are reduced over."""
-    return ("dp", "ep") if self.inner_kind == "ep" else ("dp",)
+    return ("dp", "ep") if "ep" in self.inner else ("dp",)
 
   def device_grid(self) -> list:
-    """Devices as a [dp, pp] grid, or [dp, inner, pp] with an inner group."""
-    if not self.inner_kind:
-      return [[g[j] for g in self.groups] for j in range(self.n_dp)]
-    k = self.inner
-    return [[[g[o * k + i] for g in self.groups] for i in range(k)] for o in range(self.n_dp // k)]
+    """Devices as nested lists in the order of `axis_names`.
+
+    Within a rank's group, device j is replica j // (ep * tp) of the outer "dp",
+    then expert block, then tensor-parallel position: tensor-parallel groups are
+    consecutive devices, expert groups stride over them.
+    """
+    sizes = [self.n_dp // (self.size("ep") * self.size("tp"))]
+    sizes += [self.size(k) for k in _INNER if k in self.inner]
+    rows = [[g[j] for g in self.groups] for j in range(self.n_dp)]
+    for n in reversed(sizes[1:]):
+      rows = [rows[i:i + n] for i in range(0, len(rows), n)]
+    return rows
+
+
+_INNER = ("ep", "tp")
 
 
 def derive_mesh(graph: Graph, placed_by: Mapping[str, int], directives: Sequence[Directive]) -> MeshSpec:

@@ -194,7 +194,7 @@ class Plan:
     regions = ", ".join(f"{r.index}:{r.name}->rank {self.mesh.region_rank[r.index]}"
                         for r in self.model.regions)
     m = self.mesh
-    inner = f" ({m.inner_kind}={m.inner} inside)" if m.inner_kind else ""
+    inner = "".join(f" ({k}={v} inside)" for k, v in m.inner.items())
     lines = [
         f"Plan: {len(self.model.regions)} regions, {self.n_microbatches} microbatches, "
         f"mesh dp={m.n_dp}{inner} x pp={m.n_pp}, zero={m.zero}",
@@ -209,9 +209,9 @@ class Plan:
   def to_json(self) -> dict:
     return {
         "mesh": {"groups": [list(g) for g in self.mesh.groups], "zero": self.mesh.zero,
-                 **({"inner": {"kind": self.mesh.inner_kind, "size": self.mesh.inner,
-                               "regions": sorted(self.mesh.sharded)}}
-                    if self.mesh.inner_kind else {})},
+                 **({"inner": dict(self.mesh.inner),
+                     "sharded": {str(r): k for r, k in sorted(self.mesh.sharded.items())}}
+                    if self.mesh.inner else {})},
         "n_microbatches": self.n_microbatches,
         "ticks": [[[t.label for t in ts] for ts in tick] for tick in self.ticks],
         "graph": self.graph.to_json(),

@@ -1,7 +1,8 @@
 """Packs parameter leaves into flat per-rank buffers sharded over ("pp", "dp").
 
 Leaves split by shard / shard_tensor are not packed: each lives in a
-[n_pp, n_inner, *piece] array whose rows are the devices' pieces.
+[n_pp, n_group, *piece] array whose rows are the pieces of the devices of its
+"ep" or "tp" group.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from piper_jax.ir.plan import Plan
 __all__ = ["ParamLayout", "Home", "match_positions"]
 
 SHARED = -1  # the slot index of the buffer every rank holds (tied or unused parameters)
-SPLIT = -2   # the slot index of leaves split over the inner axis (kept unpacked)
+SPLIT = -2   # the slot index of leaves split by shard / shard_tensor (kept unpacked)
 
 
 def _signature(aval) -> tuple:
@@ -84,12 +85,14 @@ class ParamLayout:
   `slots[dtype]`: [n_pp, n_dp, L] and `shared[dtype]`: [n_dp, C_shared].
   """
 
-  def __init__(self, model: ModelSpec, plan: Plan, split: dict[int, int] | None = None):
+  def __init__(self, model: ModelSpec, plan: Plan,
+               split: dict[int, tuple[int, str]] | None = None):
     mesh = plan.mesh
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
     self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
-    self.inner, self.inner_axis = mesh.inner, mesh.inner_kind
-    self.split = dict(split or {})   # leaf -> its split dimension
+    self.group_size = dict(mesh.inner)
+    self.split = {p: d for p, (d, _) in (split or {}).items()}   # leaf -> split dimension
+    self.split_kind = {p: k for p, (_, k) in (split or {}).items()}  # leaf -> "ep" | "tp"
     self.params = model.params
     self.slot_of_region: dict[int, int] = {}
     for rank in range(self.n_pp):
@@ -99,17 +102,19 @@ class ParamLayout:
     users = model.param_users()
     fill: dict[tuple[int | None, int, str], int] = {}
     self.home: list[Home] = []
-    split_vals: dict[int, list] = {r: [] for r in range(self.n_pp)}
+    split_vals: dict[str, dict[int, list]] = {k: {r: [] for r in range(self.n_pp)}
+                                              for k in self.group_size}
     for p, spec in enumerate(model.params):
       ranks = {mesh.region_rank[u] for u in users[p]}
       if p in self.split:
         if len(ranks) != 1:
           raise ValueError(f"parameter {spec.name} is split (shard/shard_tensor) and read on "
                            f"several pipeline ranks; split parameters must stay on one rank")
-        rank = ranks.pop()
+        rank, kind = ranks.pop(), self.split_kind[p]
         piece = list(spec.shape)
-        piece[self.split[p]] //= self.inner
-        split_vals[rank].append((p, jax.ShapeDtypeStruct(tuple(piece), jnp.dtype(spec.dtype))))
+        piece[self.split[p]] //= self.group_size[kind]
+        split_vals[kind][rank].append(
+            (p, jax.ShapeDtypeStruct(tuple(piece), jnp.dtype(spec.dtype))))
         self.home.append(Home(rank, SPLIT, spec.dtype, 0, spec.size, spec.shape))
         continue
       if len(ranks) == 1:
@@ -120,8 +125,14 @@ class ParamLayout:
       off = fill.get(key, 0)
       fill[key] = off + spec.size
       self.home.append(Home(rank, slot, spec.dtype, off, spec.size, spec.shape))
-    self.split_positions, where = match_positions(split_vals)
-    self.split_pos = {p: pos for (_, p), pos in where.items()}
+    # Positions of split leaves' arrays, shared across ranks by shape, per kind:
+    # (piece shape, dtype, kind).
+    self.split_positions: list[tuple] = []
+    self.split_pos: dict[int, int] = {}
+    for kind, vals in split_vals.items():
+      positions, where = match_positions(vals)
+      self.split_pos.update({p: len(self.split_positions) + pos for (_, p), pos in where.items()})
+      self.split_positions += [(shape, dt, kind) for shape, dt in positions]
     self.dtypes = sorted({s.dtype for p, s in enumerate(model.params) if p not in self.split})
     # Chunk size of a (slot, dtype) segment: the largest over ranks, split n_dp ways.
     self.chunk: dict[tuple[int, str], int] = {}
@@ -151,18 +162,17 @@ class ParamLayout:
                   for dt in self.dtypes},
         "shared": {dt: jax.ShapeDtypeStruct((self.n_dp, self.shared_chunk[dt]), jnp.dtype(dt))
                    for dt in self.dtypes},
-        "split": [jax.ShapeDtypeStruct((self.n_pp, self.inner) + shape, jnp.dtype(dt))
-                  for shape, dt in self.split_positions],
+        "split": [jax.ShapeDtypeStruct((self.n_pp, self.group_size[k]) + shape, jnp.dtype(dt))
+                  for shape, dt, k in self.split_positions],
     }
 
   def specs(self, sharded: bool) -> dict:
     """PartitionSpecs of the buffers: chunks sharded over the data axes when `sharded`
-    (ZeRO); split leaves' pieces over the inner axis."""
+    (ZeRO); split leaves' pieces over their group's axis ("ep" or "tp")."""
     dp = self.data_axes if sharded else None
     return {"slots": {dt: P("pp", dp, None) for dt in self.dtypes},
             "shared": {dt: P(dp, None) for dt in self.dtypes},
-            "split": [P("pp", self.inner_axis, *([None] * len(shape)))
-                      for shape, _ in self.split_positions]}
+            "split": [P("pp", k, *([None] * len(shape))) for shape, _, k in self.split_positions]}
 
   # -- packing --------------------------------------------------------------
 
@@ -188,11 +198,12 @@ class ParamLayout:
       slots[dt] = jnp.stack(ranks)
       shared[dt] = self._segment(leaves, None, SHARED, dt)
     split = []
-    for pos, (shape, dt) in enumerate(self.split_positions):
-      rows = [jnp.zeros((self.inner,) + shape, jnp.dtype(dt))] * self.n_pp
+    for pos, (shape, dt, kind) in enumerate(self.split_positions):
+      n = self.group_size[kind]
+      rows = [jnp.zeros((n,) + shape, jnp.dtype(dt))] * self.n_pp
       for p, q in self.split_pos.items():
         if q == pos:
-          rows[self.home[p].rank] = _pieces(leaves[p], self.split[p], self.inner)
+          rows[self.home[p].rank] = _pieces(leaves[p], self.split[p], n)
       split.append(jnp.stack(rows))
     return {"slots": slots, "shared": shared, "split": split}
 

@@ -154,10 +154,10 @@ class _Eval:
   def run(self, eqns, env: dict) -> dict:
     for eqn in eqns:
       ins = [self.dims(v) for v in eqn.invars]
-      if eqn.primitive.name in _SUBJAXPR and eqn.params.get(_SUBJAXPR[eqn.primitive.name]) is not None:
+      if not any(ins):
+        eval_eqns([eqn], env)  # whole values in, whole values out (custom rules kept)
+      elif eqn.primitive.name in _SUBJAXPR and eqn.params.get(_SUBJAXPR[eqn.primitive.name]) is not None:
         self.inline(eqn, env)
-      elif not any(ins):
-        eval_eqns([eqn], env)
       else:
         outs, out_dims = self.rule(eqn, [self.read(env, v) for v in eqn.invars], ins)
         for v, x, d in zip(eqn.outvars, outs, out_dims):
@@ -392,19 +392,20 @@ class RegionRunner:
   """
 
   def __init__(self, traced, sharded: dict[int, str] | None = None,
-               axis: SplitAxis | None = None, split_dims: dict[int, dict[int, int]] | None = None):
+               axes: dict[str, SplitAxis] | None = None,
+               split_dims: dict[int, dict[int, int]] | None = None):
     self.traced, self.spec = traced, traced.spec
     self.kind = dict(sharded or {})
-    self.axis = axis
+    self.axes = dict(axes or {})
     self.split_dims = split_dims or {}
-    self.axis_env = [(axis.name, axis.size)] if axis else []
+    self.axis_env = [(a.name, a.size) for a in self.axes.values()]
 
   def io_local(self, r: int) -> bool:
     """Whether region `r`'s inputs and outputs are in the all-to-all layout (expert parallel)."""
     return self.kind.get(r) == "ep"
 
   def _io_aval(self, spec):
-    n = self.axis.size
+    n = self.axes["ep"].size
     shape = (n, spec.shape[0] // n) + tuple(spec.shape[1:])
     return jax.ShapeDtypeStruct(shape, jnp.dtype(spec.dtype))
 
@@ -412,8 +413,9 @@ class RegionRunner:
     """Abstract (params, batch, activations) as `run(r, ...)` takes them on one device."""
     spec, model = self.spec.regions[r], self.spec
     dims = self.split_dims.get(r, {})
+    n = self.axes[self.kind[r]].size if r in self.kind else 1
     sds = lambda s, d=None: jax.ShapeDtypeStruct(
-        s.shape if d is None else local_shape(s.shape, {d}, self.axis.size), jnp.dtype(s.dtype))
+        s.shape if d is None else local_shape(s.shape, {d}, n), jnp.dtype(s.dtype))
     params = [sds(model.params[p], dims.get(p)) for p in spec.params]
     batch = [sds(model.batch[i]) for i in spec.batch]
     acts = [self._io_aval(x.spec) if self.io_local(r) else sds(x.spec) for x in spec.inputs]
@@ -429,7 +431,7 @@ class RegionRunner:
     kind = self.kind.get(r)
     if kind is None:
       return self.traced.run_region(r, params, batch, acts)
-    traced, spec = self.traced, self.spec.regions[r]
+    traced, spec, axis = self.traced, self.spec.regions[r], self.axes[kind]
     reg, dims = traced.regions[r], self.split_dims.get(r, {})
     where = f"region {r} ({spec.name}) under {'shard' if kind == 'ep' else 'shard_tensor'}"
 
@@ -441,7 +443,7 @@ class RegionRunner:
       split = {v: {dims[p]} for v, p in zip(reg.param_vars, spec.params) if p in dims}
       if kind == "ep":
         split.update({v: {0} for v in reg.act_vars})
-      env, out_dims = eval_split(reg.eqns, env, split, self.axis, where)
+      env, out_dims = eval_split(reg.eqns, env, split, axis, where)
       outs = []
       for k, v in enumerate(reg.out_vars):
         x, d = env[v], out_dims.get(v, frozenset())
@@ -449,7 +451,7 @@ class RegionRunner:
           raise SplitError(f"{where}: output {k} {list(v.aval.shape)} does not keep the expert "
                            f"axis first; an EP region must return [experts, capacity, ...]")
         for dim in sorted(d) if kind == "tp" else ():
-          x = gather_split(x, dim, self.axis)
+          x = gather_split(x, dim, axis)
         outs.append(x)
       return outs
 

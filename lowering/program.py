@@ -14,8 +14,6 @@ reduced only over "dp".
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +48,7 @@ class Program:
     mesh = plan.mesh
     self.data_axes = mesh.data_axes
     self.n_data = mesh.n_data
-    self.ep = mesh.inner if mesh.inner_kind == "ep" else 0
+    self.ep = mesh.size("ep")
     self.ad: dict[int, RegionAD] = {r.index: analyze_region(runner, r.index)
                                     for r in self.model.regions}
     self.split: dict[int, BackwardSplit] = {}
@@ -206,7 +204,7 @@ class Program:
                                                           jnp.dtype(self.model.params[p].dtype))))
     self.grad_positions, self.grad_where = match_positions(per_rank)
     self.split_grad0 = len(self.grad_positions)
-    self.grad_positions += list(layout.split_positions)
+    self.grad_positions += [(shape, dt) for shape, dt, _ in layout.split_positions]
     for p, rank in split_leaves.items():
       self.grad_where[(rank, p)] = self.split_grad0 + layout.split_pos[p]
       per_rank[rank].append((p, None))
@@ -275,13 +273,21 @@ class Program:
     return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
 
   def _finish_split(self, split_acc: dict[int, jax.Array]) -> list[jax.Array]:
-    """Split leaves' gradients, summed over the copies of their group ("dp"), as [1, 1, *piece]."""
-    out = []
-    for k, (shape, dt) in enumerate(self.layout.split_positions):
+    """Split leaves' gradients, summed over the copies of their group, as [1, 1, *piece].
+
+    Expert pieces are copied over "dp" (tensor-parallel devices compute the same
+    ones); tensor-parallel pieces over the data axes, whose devices see other rows.
+    """
+    mesh, out = self.plan.mesh, []
+    for k, (shape, dt, kind) in enumerate(self.layout.split_positions):
       g = split_acc.get(self.split_grad0 + k)
       g = jnp.zeros(shape, jnp.dtype(dt)) if g is None else g
-      if self.plan.mesh.n_dp // self.plan.mesh.inner > 1:
-        g = lax.psum(g, "dp")
+      if kind == "ep":
+        axes, copies = ("dp",), mesh.n_dp // (mesh.size("ep") * mesh.size("tp"))
+      else:
+        axes, copies = self.data_axes, mesh.n_data
+      if copies > 1:
+        g = lax.psum(g, axes)
       out.append(g[None, None])
     return out
 

@@ -100,10 +100,10 @@ class TrainStep:
     self.plan: Plan = plan
     self.batch_size = batch_size
     self._traced = traced
-    split = {p: d for dims in pm.split_dims.values() for p, d in dims.items()}
+    split = {p: (d, pm.sharded[r]) for r, dims in pm.split_dims.items() for p, d in dims.items()}
     self._layout = layout = ParamLayout(traced.spec, plan, split)
-    axis = SplitAxis(pm.inner_kind, pm.inner, pm.inner_kind) if pm.inner_kind else None
-    runner = RegionRunner(traced, pm.sharded, axis, pm.split_dims)
+    axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
+    runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
     self._program = Program(runner, plan, layout)
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)

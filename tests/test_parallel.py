@@ -61,7 +61,7 @@ def test_expert_parallel(n, zero, batches_of):
   batches_of(config)
   directives = [pj.replicate({}, [0, 1, 2, 3], zero=zero), pj.shard({"EP": "*"}, list(range(n)))]
   step, state = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX)
-  assert step.plan.mesh.axis_names == ("dp", "ep", "pp") and step.plan.mesh.inner == n
+  assert step.plan.mesh.axis_names == ("dp", "ep", "pp") and step.plan.mesh.size("ep") == n
   # [1 rank, 1 device, experts / n, ...] per device: the experts are partitioned.
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // n}
   a2a = [x for x in step.plan.graph.nodes.values() if x.kind.value == "all_to_all"]
@@ -78,7 +78,7 @@ def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=4, zero=1)
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
   step, state = assert_same_run(loss, params, directives, batch_size=16, tx=MOE_TX)
-  assert step.plan.mesh.inner == 2 and step.plan.mesh.n_pp == 2
+  assert step.plan.mesh.size("ep") == 2 and step.plan.mesh.n_pp == 2
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2}
   slots = state.params["slots"]["float32"]
   moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.shape == slots.shape]
@@ -111,6 +111,21 @@ def test_tp2_x_pp2_x_dp2(batches_of):
   assert step.plan.mesh.axis_names == ("dp", "tp", "pp") and step.plan.mesh.n_data == 2
 
 
+def test_pp2_x_ep2_x_tp2(batches_of):
+  # A MoE GPT with Megatron names on its attention and shared expert: per stage, 4
+  # devices = EP 2 x TP 2. TP groups are consecutive devices of a stage's group, EP
+  # groups stride over them: stage 0 runs on [0, 2, 4, 6], TP [0, 2], EP [0, 4].
+  config, loss, params = _moe(n_stages=2, tp_axis="tp", shared_expert=True)
+  batches_of(config)
+  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=4, zero=1)
+  directives += [pj.shard_tensor({}, [0, 2, 1, 3]), pj.shard({"EP": "*"}, [0, 4, 1, 5])]
+  step, state = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX)
+  mesh = step.plan.mesh
+  assert mesh.axis_names == ("dp", "ep", "tp", "pp") and dict(mesh.inner) == {"ep": 2, "tp": 2}
+  kinds = {k for _, _, k in step._layout.split_positions}
+  assert kinds == {"ep", "tp"}
+
+
 def _plan(loss, params, config, directives, batch=8, n_devices=8):
   return pj.plan(loss, directives, params, gpt.random_batch(config, jax.random.PRNGKey(0), batch),
                  n_devices)
@@ -134,7 +149,7 @@ def test_bad_shard_directives():
           "directive 1", "4 experts of region .* do not divide over 3 devices")
   # Devices outside the region's group, and a block that is not aligned.
   _raises(lambda: plan([pj.replicate({}, [0, 1, 2, 3]), pj.shard({"EP": "*"}, [1, 2])]),
-          "directive 1", "aligned block")
+          "directive 1", "not a shard group", "consecutive devices")
   _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [4, 5])]),
           "none of devices")
   # shard and shard_tensor on the same region.

@@ -54,7 +54,7 @@ def insert_collectives(graph: Graph, model: ModelSpec, mesh: MeshSpec) -> Graph:
     params = upd.tensors
     # Expert parameters are reduced only between the copies of an expert group.
     experts = mesh.sharded.get(r.index) == "ep"
-    replicas = mesh.n_dp // mesh.inner if experts else mesh.n_data
+    replicas = mesh.n_dp // (mesh.size("ep") * mesh.size("tp")) if experts else mesh.n_data
     zero = 0 if experts else mesh.zero
     axis = "dp" if experts else "+".join(mesh.data_axes)
     if replicas > 1 and params:

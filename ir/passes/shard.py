@@ -64,77 +64,94 @@ def _check_tp(model: ModelSpec, r: int, g: int, axis: str, err) -> bool:
 
 def shard_regions(graph: Graph, model: ModelSpec, mesh: MeshSpec,
                   directives: Sequence[tuple[int, Shard | ShardTensor]]) -> tuple[Graph, MeshSpec]:
-  """Marks the regions shard / shard_tensor match and gives the mesh its inner axis.
+  """Marks the regions shard / shard_tensor match and gives the mesh its inner axes.
 
   Needs: placed nodes, SEND/RECV inserted. `devices` of a directive, intersected
-  with a matched region's group, must be an aligned block of that group: the group
-  splits into blocks of that size, each holding all experts (or all of a tensor)
-  between its devices. Under shard, the dispatched tokens of every F and B of the
-  region pass through an ALL_TO_ALL node before and after it.
+  with a matched region's group, is one group of its kind: shard_tensor groups are
+  t consecutive devices starting at a multiple of t; shard groups are e devices at
+  stride t (1 without shard_tensor) inside an aligned block of e * t. The other
+  groups of a rank repeat the pattern. Under shard, the dispatched tokens of every F
+  and B of the region pass through an ALL_TO_ALL node before and after it.
   """
   if not directives:
     return graph, mesh
   kind_of: dict[int, tuple[str, int]] = {}
   dims: dict[int, dict[int, int]] = {}
-  size_of: dict[int, int] = {}
+  blocks: list[tuple[int, str, int, list[int]]] = []   # (directive, kind, region, positions)
   tp_found: dict[int, bool] = {}
-  for i, d in directives:
+  # shard first: a shard_tensor whose filter also covers EP regions (such as {} or
+  # {"PP": 0}) leaves them to shard, unless it would split weights there.
+  ordered = sorted(directives, key=lambda t: not isinstance(t[1], Shard))
+  for i, d in ordered:
     kind = "ep" if isinstance(d, Shard) else "tp"
     err = lambda msg, i=i, d=d: DirectiveError(msg, i, d)
     if any(t in ("MB", "PASS") for t, _ in d.filter):
       raise err("shards whole regions (every microbatch and pass); drop MB and PASS from the filter")
-    for r in sorted({n.region for n in select(graph, d.filter, kinds=(NodeKind.COMPUTE,))}):
-      if r in kind_of and kind_of[r][0] != kind:
-        j = kind_of[r][1]
-        raise err(f"region {r} ({model.regions[r].name}) is also matched by directive {j} "
-                  f"({_OP[kind_of[r][0]]}); a region is either expert parallel (shard) "
-                  f"or tensor parallel (shard_tensor), not both")
+    matched = sorted({n.region for n in select(graph, d.filter, kinds=(NodeKind.COMPUTE,))})
+    if kind == "tp":
+      taken = [r for r in matched if r in kind_of and kind_of[r][0] == "ep"]
+      clash = [r for r in taken if split_dims(model, r, "tp", d.axis)]
+      if taken and (clash or len(taken) == len(matched)):
+        r = (clash or taken)[0]
+        raise err(f"region {r} ({model.regions[r].name}) is also matched by directive "
+                  f"{kind_of[r][1]} (shard); a region is either expert parallel (shard) or "
+                  f"tensor parallel (shard_tensor), not both")
+      matched = [r for r in matched if r not in taken]
+    for r in matched:
       kind_of[r] = (kind, i)
       dims[r] = split_dims(model, r, kind, getattr(d, "axis", "tp"))
       group = mesh.groups[mesh.region_rank[r]]
-      block = [x for x in group if x in d.devices]
+      block = [k for k, x in enumerate(group) if x in d.devices]
       if not block:
         raise err(f"none of devices {list(d.devices)} hold region {r} ({model.regions[r].name}), "
-                  f"which runs on {list(group)}; shard over a block of those devices")
-      g, start = len(block), group.index(block[0])
-      if g == 1:
-        raise err(f"only device {block[0]} of {list(d.devices)} holds region {r} "
+                  f"which runs on {list(group)}; shard over a group of those devices")
+      if len(block) == 1:
+        raise err(f"only device {group[block[0]]} of {list(d.devices)} holds region {r} "
                   f"({model.regions[r].name}), which runs on {list(group)}; list at least two "
                   f"devices of that group to split it over")
-      if len(group) % g or start % g or list(group[start:start + g]) != block:
-        raise err(f"devices {block} are not an aligned block of region {r}'s group {list(group)}; "
-                  f"use {g} consecutive devices of it starting at a multiple of {g}, with "
-                  f"{g} dividing {len(group)}")
-      size_of.setdefault(g, i)
-      if kind == "ep":
-        _check_ep(model, r, g, err)
-      else:
-        tp_found[i] = tp_found.get(i, False) or _check_tp(model, r, g, d.axis, err)
+      blocks.append((i, kind, r, block))
+  sizes: dict[str, tuple[int, int]] = {}
+  for i, kind, r, block in blocks:
+    g0, i0 = sizes.setdefault(kind, (len(block), i))
+    if len(block) != g0:
+      raise DirectiveError(f"{_OP[kind]} over groups of {len(block)} devices but directive {i0} "
+                           f"uses {g0}; use one group size per kind", i, dict(directives)[i])
+  e, t = sizes.get("ep", (1, 0))[0], sizes.get("tp", (1, 0))[0]
+  for i, kind, r, block in blocks:
+    d = dict(directives)[i]
+    group = mesh.groups[mesh.region_rank[r]]
+    stride = t if kind == "ep" else 1
+    start = block[0]
+    ok = (len(group) % (e * t) == 0 and block == [start + k * stride for k in range(len(block))]
+          and (start % (e * t) < t if kind == "ep" else start % t == 0))
+    if not ok:
+      devs = [group[k] for k in block]
+      how = (f"{e} devices at stride {t} (the shard_tensor group size)" if kind == "ep" and t > 1
+             else f"{len(block)} consecutive devices starting at a multiple of {len(block)}")
+      raise DirectiveError(f"devices {devs} are not a {_OP[kind]} group of region {r}'s devices "
+                           f"{list(group)} ({len(group)} per rank, groups of ep={e} x tp={t}); "
+                           f"use {how}", i, d)
+    if kind == "ep":
+      _check_ep(model, r, e, lambda msg, i=i, d=d: DirectiveError(msg, i, d))
+    else:
+      found = _check_tp(model, r, t, d.axis, lambda msg, i=i, d=d: DirectiveError(msg, i, d))
+      tp_found[i] = tp_found.get(i, False) or found
   for i, found in tp_found.items():
     if not found:
       raise DirectiveError(f"no parameter of the matched regions has the partitioning name "
                            f"{dict(directives)[i].axis!r}; mark the weights to split with "
                            f"flax.linen.with_partitioning", i, dict(directives)[i])
-  kinds = {k for k, _ in kind_of.values()}
-  if len(kinds) > 1:
-    i = max(i for _, i in kind_of.values())
-    raise DirectiveError("mixes shard and shard_tensor in one plan, which this version does not "
-                         "support; use one of them", i, dict(directives)[i])
-  if len(size_of) > 1:
-    (g0, _), (g1, i1) = sorted(size_of.items())[:2]
-    raise DirectiveError(f"shards over groups of {g1} devices but another directive uses {g0}; "
-                         f"use one group size", i1, dict(directives)[i1])
-  kind, g = kinds.pop(), next(iter(size_of))
-  if g == 1:
-    return graph, mesh
+  inner = {k: g for k, (g, _) in sizes.items()}
   nodes, edges = dict(graph.nodes), list(graph.edges)
   for n in graph.compute_nodes():
     if n.region in kind_of:
-      nodes[n.id] = n.replace(shard=(kind, g))
-  if kind == "ep":
-    edges = _insert_all_to_all(graph, nodes, edges, set(kind_of))
-  mesh = dataclasses.replace(mesh, inner=g, inner_kind=kind,
-                             sharded={r: k for r, (k, _) in kind_of.items()}, split_dims=dims)
+      kind = kind_of[n.region][0]
+      nodes[n.id] = n.replace(shard=(kind, inner[kind]))
+  ep_regions = {r for r, (k, _) in kind_of.items() if k == "ep"}
+  if ep_regions:
+    edges = _insert_all_to_all(graph, nodes, edges, ep_regions)
+  mesh = dataclasses.replace(mesh, inner=inner, sharded={r: k for r, (k, _) in kind_of.items()},
+                             split_dims=dims)
   return Graph(nodes.values(), edges), mesh
 
 
