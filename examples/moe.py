@@ -28,8 +28,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from examples.gpt import GPT, MLP, Block, GPTConfig, _dense_init
 from piper_jax.annotate import annotate
+
+try:
+  from examples.gpt import GPT, MLP, Block, GPTConfig, _dense_init
+except ImportError:  # run from examples/ as a script
+  from gpt import GPT, MLP, Block, GPTConfig, _dense_init
 
 __all__ = ["MoEConfig", "MoEGPT", "PRESETS", "flops_per_token", "get_config"]
 

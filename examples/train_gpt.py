@@ -57,9 +57,10 @@ from tqdm.auto import tqdm
 import piper_jax as pj
 
 try:
-  from examples import gpt
+  from examples import gpt, moe
 except ImportError:
   import gpt  # run as a script: examples/ is on sys.path
+  import moe
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
               "pp-dualpipev")
@@ -83,6 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--batch", type=int, default=16, help="global batch size")
   p.add_argument("--model", choices=tuple(gpt.PRESETS), default="tiny")
+  p.add_argument("--experts", type=int, default=0,
+                 help="0: dense GPT; N: MoE GPT with N experts, top-2, in every block "
+                      "(examples/moe.py)")
+  p.add_argument("--ep", action="store_true",
+                 help="split the experts over each stage's data-parallel devices (pj.shard)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--lr", type=float, default=1e-3)
@@ -102,6 +108,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_strategy(args, n_devices: int):
   """Returns (directives, number of devices used, number of model stages)."""
+  directives, n_used, n_stages = _base_strategy(args, n_devices)
+  if args.ep:
+    if not args.experts:
+      raise UsageError("--ep splits the experts of a MoE model; add --experts N")
+    if args.experts % (n_used // n_stages if args.strategy.startswith("pp-") else n_used):
+      raise UsageError(f"--experts {args.experts} must divide over the data-parallel devices "
+                       f"of a stage for --ep")
+    directives = directives + [pj.shard({"EP": "*"}, list(range(n_used)))]
+  return directives, n_used, n_stages
+
+
+def _base_strategy(args, n_devices: int):
   if not args.strategy.startswith("pp-"):
     if args.dp != 1 or args.zero != 0:
       raise UsageError(
@@ -178,10 +196,14 @@ def main(argv=None) -> dict:
   dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
   overrides = {} if args.data == "synthetic" else {"vocab_size": 256}
   try:
-    config = gpt.get_config(args.model, n_stages=n_stages, dtype=dtype, **overrides)
+    if args.experts:
+      config = moe.MoEConfig(**{**gpt.PRESETS[args.model], **overrides}, n_stages=n_stages,
+                             dtype=dtype, n_experts=args.experts)
+    else:
+      config = gpt.get_config(args.model, n_stages=n_stages, dtype=dtype, **overrides)
   except ValueError as e:
     raise UsageError(f"--stages {n_stages}: {e}") from e
-  model = gpt.GPT(config)
+  model = moe.MoEGPT(config) if args.experts else gpt.GPT(config)
   rng = jax.random.PRNGKey(args.seed)
   params = gpt.init_params(model, rng)
   if args.data == "synthetic":
@@ -196,7 +218,8 @@ def main(argv=None) -> dict:
 
   print(f"devices: {len(devices)} x {devices[0].device_kind} "
         f"({devices[0].platform})")
-  print(f"model: {args.model}, {gpt.count_params(params) / 1e6:.2f}M params, "
+  kind = f" MoE ({args.experts} experts, top-2)" if args.experts else ""
+  print(f"model: {args.model}{kind}, {gpt.count_params(params) / 1e6:.2f}M params, "
         f"{config.n_layers} layers in {config.n_stages} stage(s), {args.dtype}")
   print(f"strategy: {args.strategy}; data: {args.data}")
 
@@ -213,7 +236,7 @@ def main(argv=None) -> dict:
 
   tokens_per_step = args.batch * config.seq_len
   peak = gpt.peak_flops(devices[0].device_kind)
-  flops = gpt.flops_per_token(config)
+  flops = (moe.flops_per_token if args.experts else gpt.flops_per_token)(config)
   metrics = open(args.metrics, "a") if args.metrics else None
   bar = None if args.quiet else tqdm(total=args.steps, initial=first, unit="step",
                                      dynamic_ncols=True)

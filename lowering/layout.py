@@ -91,6 +91,11 @@ class ParamLayout:
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
     self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
     self.group_size = dict(mesh.inner)
+    # Split pieces are copied over these axes (expert pieces: the outer "dp", since
+    # tensor-parallel devices hold the same experts; tensor-parallel pieces: the data
+    # axes), and with ZeRO >= 1 their gradients and optimizer state are sharded there.
+    outer = mesh.n_dp // (mesh.size("ep") * mesh.size("tp"))
+    self.copy_axes = {"ep": ("dp", outer), "tp": (self.data_axes, mesh.n_data)}
     self.split = {p: d for p, (d, _) in (split or {}).items()}   # leaf -> split dimension
     self.split_kind = {p: k for p, (_, k) in (split or {}).items()}  # leaf -> "ep" | "tp"
     self.params = model.params
@@ -166,13 +171,31 @@ class ParamLayout:
                   for shape, dt, k in self.split_positions],
     }
 
-  def specs(self, sharded: bool) -> dict:
+  def split_zero_dim(self, pos: int) -> int | None:
+    """The dimension of split position `pos`'s piece that ZeRO shards over its copies
+    (the first that divides evenly), or None (no copies, or none divides)."""
+    shape, _, kind = self.split_positions[pos]
+    _, copies = self.copy_axes[kind]
+    if copies == 1:
+      return None
+    return next((d for d, n in enumerate(shape) if n % copies == 0), None)
+
+  def specs(self, sharded: bool, split_sharded: bool = False) -> dict:
     """PartitionSpecs of the buffers: chunks sharded over the data axes when `sharded`
-    (ZeRO); split leaves' pieces over their group's axis ("ep" or "tp")."""
+    (ZeRO); split leaves' pieces over their group's axis ("ep" or "tp"), and over
+    their copies too when `split_sharded` (ZeRO's sharding of their gradients and
+    optimizer state; split parameters themselves stay whole pieces)."""
     dp = self.data_axes if sharded else None
+    split = []
+    for pos, (shape, _, kind) in enumerate(self.split_positions):
+      dims = [None] * len(shape)
+      d = self.split_zero_dim(pos) if split_sharded else None
+      if d is not None:
+        dims[d] = self.copy_axes[kind][0]
+      split.append(P("pp", kind, *dims))
     return {"slots": {dt: P("pp", dp, None) for dt in self.dtypes},
             "shared": {dt: P(dp, None) for dt in self.dtypes},
-            "split": [P("pp", k, *([None] * len(shape))) for shape, _, k in self.split_positions]}
+            "split": split}
 
   # -- packing --------------------------------------------------------------
 

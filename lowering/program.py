@@ -277,16 +277,17 @@ class Program:
 
     Expert pieces are copied over "dp" (tensor-parallel devices compute the same
     ones); tensor-parallel pieces over the data axes, whose devices see other rows.
+    With ZeRO >= 1 the sum is reduce-scattered along `layout.split_zero_dim`.
     """
-    mesh, out = self.plan.mesh, []
-    for k, (shape, dt, kind) in enumerate(self.layout.split_positions):
+    layout, out = self.layout, []
+    for k, (shape, dt, kind) in enumerate(layout.split_positions):
       g = split_acc.get(self.split_grad0 + k)
       g = jnp.zeros(shape, jnp.dtype(dt)) if g is None else g
-      if kind == "ep":
-        axes, copies = ("dp",), mesh.n_dp // (mesh.size("ep") * mesh.size("tp"))
-      else:
-        axes, copies = self.data_axes, mesh.n_data
-      if copies > 1:
+      axes, copies = layout.copy_axes[kind]
+      d = layout.split_zero_dim(k) if layout.zero >= 1 else None
+      if d is not None:
+        g = lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+      elif copies > 1:
         g = lax.psum(g, axes)
       out.append(g[None, None])
     return out

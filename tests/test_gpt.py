@@ -46,8 +46,11 @@ def test_gpt_zero_bubble_4_stages(monkeypatch):
 
 def test_train_gpt_example_runs():
   from examples import train_gpt
+  # A MoE GPT (make demo runs the dense one) with its experts split over each stage's
+  # 2 data-parallel devices.
   out = train_gpt.main(["--strategy", "pp-1f1b", "--stages", "2", "--dp", "2", "--zero", "1",
-                        "--microbatches", "2", "--steps", "3", "--batch", "8"])
+                        "--microbatches", "2", "--steps", "3", "--batch", "8",
+                        "--experts", "4", "--ep", "--quiet"])
   losses = out["losses"]
   assert len(losses) == 3 and all(l == l for l in losses) and losses[-1] < losses[0]
 

@@ -83,6 +83,11 @@ def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   slots = state.params["slots"]["float32"]
   moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.shape == slots.shape]
   assert moments and all(x.addressable_shards[0].data.shape[:2] == (1, 1) for x in moments)
+  # The experts' optimizer state is sharded over the 2 copies of each expert group too.
+  experts = state.params["split"][0]
+  moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.shape == experts.shape]
+  assert moments and all(x.addressable_shards[0].data.shape[2] == experts.shape[2] // 2
+                         for x in moments)
 
 
 def test_tensor_parallel(batches_of):
