@@ -1,15 +1,15 @@
-"""Lowers a ticked plan to one shard_map body over the ("dp", "pp") mesh.
+"""Lowers a ticked plan to one shard_map body over the ("dp", ["ep",] ["tp",] "pp") mesh.
 
 Each tick, every pipeline rank runs its own tasks through one `lax.switch` on
 `axis_index("pp")`. Values that outlive a tick leave the switch as a list of arrays
-whose positions ranks share by shape (`_match_positions`): a "keep" list for the
+whose positions ranks share by shape (`layout.match_positions`): a "keep" list for the
 rank itself and one list per `ppermute` round for the values other ranks read.
 Gradients accumulate per leaf, unreduced over microbatches, and are laid out into
 the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
 reduce-scattered per tick (ZeRO 2/3); ZeRO-3 gathers a slot's parameters before the
 switch. Expert-parallel regions exchange their tokens by all-to-all over "ep" before and
-after each pass; their parameters' pieces (and tensor-parallel ones) get gradients
-reduced only over "dp".
+after each pass; split weights' pieces (shard, shard_tensor) get their gradients
+reduced only over their copies (`_finish_split`).
 """
 
 from __future__ import annotations
