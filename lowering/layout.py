@@ -184,7 +184,7 @@ class ParamLayout:
     """PartitionSpecs of the buffers: chunks sharded over the data axes when `sharded`
     (ZeRO); split leaves' pieces over their group's axis ("ep" or "tp"), and over
     their copies too when `split_sharded` (ZeRO's sharding of their gradients and
-    optimizer state; split parameters themselves stay whole pieces)."""
+    optimizer state, and with ZeRO-3 of the pieces themselves)."""
     dp = self.data_axes if sharded else None
     split = []
     for pos, (shape, _, kind) in enumerate(self.split_positions):

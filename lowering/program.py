@@ -236,11 +236,12 @@ class Program:
                 for s in slots for dt in layout.dtypes if layout.segment_size(s, dt)}
       else:
         segs = None
+      split = self._split_pieces(params["split"], tick)
       reads = sorted({self.loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                       for key in self._reads(t)
                       if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
       operands = {"arrays": {k: arrays[k] for k in reads},
-                  "params": params if segs is None else segs, "split": params["split"],
+                  "params": params if segs is None else segs, "split": split,
                   "batch": batch}
       branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
                   for rank in range(plan.n_ranks)]
@@ -271,6 +272,22 @@ class Program:
     out = self._finish_grads(acc)
     out["split"] = self._finish_split(split_acc)
     return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
+
+  def _split_pieces(self, local: list[jax.Array], tick) -> list[jax.Array]:
+    """Split weights' pieces for a tick; under ZeRO-3 the ones it reads are all-gathered
+    over their copies (the others stay sharded: no task of the tick reads them)."""
+    layout = self.layout
+    if layout.zero < 3:
+      return local
+    read = {layout.split_pos[p] for ts in tick for t in ts
+            for p in self.model.regions[t.region].params if p in layout.split}
+    out = list(local)
+    for k in sorted(read):
+      d = layout.split_zero_dim(k)
+      if d is not None:
+        out[k] = lax.all_gather(local[k], layout.copy_axes[layout.split_positions[k][2]][0],
+                                axis=2 + d, tiled=True)
+    return out
 
   def _finish_split(self, split_acc: dict[int, jax.Array]) -> list[jax.Array]:
     """Split leaves' gradients, summed over the copies of their group, as [1, 1, *piece].

@@ -108,7 +108,7 @@ class TrainStep:
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
     zero = pm.zero
-    param_specs = layout.specs(sharded=zero >= 3)
+    param_specs = layout.specs(sharded=zero >= 3, split_sharded=zero >= 3)
     grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
     n_batch = len(traced.spec.batch)
     batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")

@@ -62,8 +62,10 @@ def test_expert_parallel(n, zero, batches_of):
   directives = [pj.replicate({}, [0, 1, 2, 3], zero=zero), pj.shard({"EP": "*"}, list(range(n)))]
   step, state = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX)
   assert step.plan.mesh.axis_names == ("dp", "ep", "pp") and step.plan.mesh.size("ep") == n
-  # [1 rank, 1 device, experts / n, ...] per device: the experts are partitioned.
-  assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // n}
+  # [1 rank, 1 device, experts / n, ...] per device: the experts are partitioned, and
+  # under ZeRO-3 sharded again over the 2 copies of each expert group.
+  copies = 4 // n if zero == 3 else 1
+  assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // n // copies}
   a2a = [x for x in step.plan.graph.nodes.values() if x.kind.value == "all_to_all"]
   assert len(a2a) == 2 * 2 * config.n_layers  # in and out of every expert F and B
 
@@ -96,12 +98,13 @@ def test_tensor_parallel(batches_of):
   batches_of(config)
   directives = [pj.replicate({}, [0, 1, 2, 3], zero=3), pj.shard_tensor({}, [0, 1])]
   step, state = assert_same_run(loss, params, directives, batch_size=8)
-  # qkv/fc columns and out/proj rows: each device holds half of every split weight.
+  # qkv/fc columns and out/proj rows: each device holds half of every split weight,
+  # and ZeRO-3 shards that half again over the 2 data-parallel copies.
   names = {s.name: s for s in step.plan.model.params}
   assert names["block_0/attn/qkv/kernel/value"].names == (None, "tp")
   split = step._layout.split
   assert all(step.plan.model.params[p].names[d] == "tp" for p, d in split.items())
-  assert (1, 1, config.d_model, 3 * config.d_model // 2) in set(_split_piece_shapes(state))
+  assert (1, 1, config.d_model // 2, 3 * config.d_model // 2) in set(_split_piece_shapes(state))
   # The canonical layout (checkpoints) puts the pieces back together.
   again = step.from_canonical(step.canonical(state))
   jax.tree_util.tree_map(np.testing.assert_array_equal, step.params(again), step.params(state))
