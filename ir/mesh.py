@@ -57,6 +57,17 @@ class MeshSpec:
     """Axes the batch is split over and replicated parameters are reduced over."""
     return ("dp", "ep") if "ep" in self.inner else ("dp",)
 
+  def copies(self, kind: str | None) -> tuple[tuple[str, ...], int]:
+    """The axes over which a parameter is copied, and how many copies there are.
+
+    Whole parameters and tensor-parallel pieces: the data axes. Expert pieces: the
+    outer "dp" only (tensor-parallel devices hold the same experts). Their
+    gradients are summed over these copies, and ZeRO shards over them.
+    """
+    if kind == "ep":
+      return ("dp",), self.n_dp // (self.size("ep") * self.size("tp"))
+    return self.data_axes, self.n_data
+
   def device_grid(self) -> list:
     """Devices as nested lists in the order of `axis_names`.
 

@@ -91,11 +91,8 @@ class ParamLayout:
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
     self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
     self.group_size = dict(mesh.inner)
-    # Split pieces are copied over these axes (expert pieces: the outer "dp", since
-    # tensor-parallel devices hold the same experts; tensor-parallel pieces: the data
-    # axes), and with ZeRO >= 1 their gradients and optimizer state are sharded there.
-    outer = mesh.n_dp // (mesh.size("ep") * mesh.size("tp"))
-    self.copy_axes = {"ep": ("dp", outer), "tp": (self.data_axes, mesh.n_data)}
+    # (axes, number) of the copies of split pieces, per kind (`MeshSpec.copies`).
+    self.copies = {k: mesh.copies(k) for k in mesh.inner}
     self.split = {p: d for p, (d, _) in (split or {}).items()}   # leaf -> split dimension
     self.split_kind = {p: k for p, (_, k) in (split or {}).items()}  # leaf -> "ep" | "tp"
     self.params = model.params
@@ -175,7 +172,7 @@ class ParamLayout:
     """The dimension of split position `pos`'s piece that ZeRO shards over its copies
     (the first that divides evenly), or None (no copies, or none divides)."""
     shape, _, kind = self.split_positions[pos]
-    _, copies = self.copy_axes[kind]
+    _, copies = self.copies[kind]
     if copies == 1:
       return None
     return next((d for d, n in enumerate(shape) if n % copies == 0), None)
@@ -191,7 +188,7 @@ class ParamLayout:
       dims = [None] * len(shape)
       d = self.split_zero_dim(pos) if split_sharded else None
       if d is not None:
-        dims[d] = self.copy_axes[kind][0]
+        dims[d] = self.copies[kind][0]
       split.append(P("pp", kind, *dims))
     return {"slots": {dt: P("pp", dp, None) for dt in self.dtypes},
             "shared": {dt: P(dp, None) for dt in self.dtypes},

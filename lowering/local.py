@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from piper_jax.lowering.compat import Literal, eval_eqns
+from piper_jax.lowering.compat import Literal, bind, eval_eqns, read
 
 __all__ = ["RegionRunner", "SplitAxis", "SplitError", "eval_split", "gather_split", "local_shape"]
 
@@ -159,38 +159,26 @@ class _Eval:
       elif eqn.primitive.name in _SUBJAXPR and eqn.params.get(_SUBJAXPR[eqn.primitive.name]) is not None:
         self.inline(eqn, env)
       else:
-        outs, out_dims = self.rule(eqn, [self.read(env, v) for v in eqn.invars], ins)
+        outs, out_dims = self.rule(eqn, [read(env, v) for v in eqn.invars], ins)
         for v, x, d in zip(eqn.outvars, outs, out_dims):
           env[v] = x
           if d:
             self.split[v] = frozenset(d)
     return env
 
-  @staticmethod
-  def read(env, v):
-    return v.val if isinstance(v, Literal) else env[v]
-
   def inline(self, eqn, env):
     inner = eqn.params[_SUBJAXPR[eqn.primitive.name]]
     jaxpr = getattr(inner, "jaxpr", inner)
     sub = dict(zip(jaxpr.constvars, getattr(inner, "consts", ())))
     for v, x in zip(jaxpr.invars, eqn.invars):
-      sub[v] = self.read(env, x)
+      sub[v] = read(env, x)
       if self.dims(x):
         self.split[v] = self.dims(x)
     self.run(jaxpr.eqns, sub)
     for v, x in zip(eqn.outvars, jaxpr.outvars):
-      env[v] = self.read(sub, x)
+      env[v] = read(sub, x)
       if self.dims(x):
         self.split[v] = self.dims(x)
-
-  def bind(self, eqn, vals, **params):
-    bind_params = eqn.primitive.get_bind_params({**eqn.params, **params})
-    subfuns = []
-    if isinstance(bind_params, tuple):
-      subfuns, bind_params = bind_params
-    out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
   def local(self, x, have: frozenset, want: frozenset):
     for d in sorted(want - have):
@@ -211,18 +199,18 @@ class _Eval:
       bd = eqn.params["broadcast_dimensions"]
       out = frozenset(bd[d] for d in ins[0])
       shape = local_shape(eqn.params["shape"], out, n)
-      return self.bind(eqn, vals, shape=shape), [out]
+      return bind(eqn, vals, shape=shape), [out]
     if name == "reshape":
       return self.reshape(eqn, vals[0], ins[0])
     if name == "transpose":
       perm = eqn.params["permutation"]
-      return self.bind(eqn, vals), [frozenset(k for k, p in enumerate(perm) if p in ins[0])]
+      return bind(eqn, vals), [frozenset(k for k, p in enumerate(perm) if p in ins[0])]
     if name == "squeeze":
       gone = set(eqn.params["dimensions"])
       if gone & ins[0]:
         raise self.error(eqn, "squeezes a split dimension")
       keep = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in gone]
-      return self.bind(eqn, vals), [frozenset(keep.index(d) for d in ins[0])]
+      return bind(eqn, vals), [frozenset(keep.index(d) for d in ins[0])]
     if name == "dot_general":
       return self.dot_general(eqn, vals, ins)
     if name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
@@ -235,11 +223,11 @@ class _Eval:
       want = frozenset().union(*ins)
       if dim in want:
         raise self.error(eqn, "concatenates along a split dimension")
-      return self.bind(eqn, [self.local(x, d, want) for x, d in zip(vals, ins)]), [want]
+      return bind(eqn, [self.local(x, d, want) for x, d in zip(vals, ins)]), [want]
     if name == "split":
       if eqn.params["axis"] in ins[0]:
         raise self.error(eqn, "splits along a split dimension")
-      return self.bind(eqn, vals), [ins[0]] * len(out_avals)
+      return bind(eqn, vals), [ins[0]] * len(out_avals)
     if name in _ALONG_AXIS and eqn.params[_ALONG_AXIS[name]] in frozenset().union(*ins):
       raise self.error(eqn, f"works along dimension {eqn.params[_ALONG_AXIS[name]]}, which is split")
     if self.elementwise(eqn):
@@ -269,7 +257,7 @@ class _Eval:
       if not isinstance(v, Literal) and (full | d) != want:
         x = self.copy(x)  # broadcast along a split dimension: its cotangent is a partial sum
       args.append(x)
-    outs = self.bind(eqn, args)
+    outs = bind(eqn, args)
     return outs, [want] * len(outs)
 
   def reshape(self, eqn, x, dims):
@@ -287,7 +275,7 @@ class _Eval:
                               f"it is merged with or split into")
       out.add(outer_new)
     out = frozenset(out)
-    return self.bind(eqn, [x], new_sizes=local_shape(new, out, n), dimensions=None), [out]
+    return bind(eqn, [x], new_sizes=local_shape(new, out, n), dimensions=None), [out]
 
   def dot_general(self, eqn, vals, ins):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -317,7 +305,7 @@ class _Eval:
     if out:
       lhs = lhs if ld else self.copy(lhs)
       rhs = rhs if rd else self.copy(rhs)
-    y = self.bind(eqn, [lhs, rhs])[0]
+    y = bind(eqn, [lhs, rhs])[0]
     if partial_sum:
       y = _reduce_from_split(y, self.axis.name)
     return [y], [frozenset(out)]
@@ -327,7 +315,7 @@ class _Eval:
     axes = tuple(eqn.params.get("axes", ())) or (eqn.params.get("axis"),)
     keep = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in axes]
     out = frozenset(keep.index(d) for d in ins[0] if d in keep)
-    y = self.bind(eqn, vals)[0]
+    y = bind(eqn, vals)[0]
     if set(axes) & ins[0]:
       if not self.axis.partial_sums or name not in _REDUCE_PARTIAL or out:
         raise self.error(eqn, f"reduces over split dimension(s) {sorted(set(axes) & ins[0])}"
@@ -345,7 +333,7 @@ class _Eval:
       if start[d] != 0 or limit[d] != shape[d] or (strides and strides[d] != 1):
         raise self.error(eqn, f"slices split dimension {d}")
       limit[d] = shape[d] // self.axis.size
-    return self.bind(eqn, vals, limit_indices=tuple(limit)), [ins[0]]
+    return bind(eqn, vals, limit_indices=tuple(limit)), [ins[0]]
 
 
 def _reshape_groups(old, new) -> list[tuple[list[int], list[int]]]:

@@ -229,14 +229,14 @@ class Program:
     for tick_i, tick in enumerate(plan.ticks):
       info = self.ticks[tick_i]
       # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
-      slots = sorted({layout.home[p].slot for ts in tick for t in ts
-                      for p in self.model.regions[t.region].params if p not in layout.split})
+      read = {p for ts in tick for t in ts for p in self.model.regions[t.region].params}
+      slots = sorted({layout.home[p].slot for p in read if p not in layout.split})
       if zero == 3:
         segs = {(s, dt): lax.all_gather(layout.local_chunk(params, s, dt), axes, tiled=True)
                 for s in slots for dt in layout.dtypes if layout.segment_size(s, dt)}
       else:
         segs = None
-      split = self._split_pieces(params["split"], tick)
+      split = self._split_pieces(params["split"], read)
       reads = sorted({self.loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                       for key in self._reads(t)
                       if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
@@ -273,20 +273,19 @@ class Program:
     out["split"] = self._finish_split(split_acc)
     return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
 
-  def _split_pieces(self, local: list[jax.Array], tick) -> list[jax.Array]:
-    """Split weights' pieces for a tick; under ZeRO-3 the ones it reads are all-gathered
-    over their copies (the others stay sharded: no task of the tick reads them)."""
+  def _split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
+    """Split weights' pieces for a tick that reads parameters `read`; under ZeRO-3 those
+    pieces are all-gathered over their copies (the others stay sharded: no task of
+    the tick reads them)."""
     layout = self.layout
     if layout.zero < 3:
       return local
-    read = {layout.split_pos[p] for ts in tick for t in ts
-            for p in self.model.regions[t.region].params if p in layout.split}
     out = list(local)
-    for k in sorted(read):
+    for k in sorted({layout.split_pos[p] for p in read if p in layout.split}):
       d = layout.split_zero_dim(k)
       if d is not None:
-        out[k] = lax.all_gather(local[k], layout.copy_axes[layout.split_positions[k][2]][0],
-                                axis=2 + d, tiled=True)
+        axes = layout.copies[layout.split_positions[k][2]][0]
+        out[k] = lax.all_gather(local[k], axes, axis=2 + d, tiled=True)
     return out
 
   def _finish_split(self, split_acc: dict[int, jax.Array]) -> list[jax.Array]:
@@ -300,7 +299,7 @@ class Program:
     for k, (shape, dt, kind) in enumerate(layout.split_positions):
       g = split_acc.get(self.split_grad0 + k)
       g = jnp.zeros(shape, jnp.dtype(dt)) if g is None else g
-      axes, copies = layout.copy_axes[kind]
+      axes, copies = layout.copies[kind]
       d = layout.split_zero_dim(k) if layout.zero >= 1 else None
       if d is not None:
         g = lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from piper_jax.lowering.compat import read
 from piper_jax.lowering.local import RegionRunner
 
 __all__ = ["RegionAD", "analyze_region"]
@@ -239,16 +240,11 @@ def _env(split: BackwardSplit, res, cts) -> dict:
   return env
 
 
-def _read(env, v):
-  from piper_jax.lowering.compat import Literal
-  return v.val if isinstance(v, Literal) else env[v]
-
-
 def backward_input(split: BackwardSplit, res, cts):
   """BI: -> (activation cotangents, carry for BW)."""
   from piper_jax.lowering.compat import eval_eqns
   env = eval_eqns(split.bi_eqns, _env(split, res, cts))
-  return ([_read(env, v) for v in split.jaxpr.outvars[split.n_params:]],
+  return ([read(env, v) for v in split.jaxpr.outvars[split.n_params:]],
           [env[v] for v in split.carry])
 
 
@@ -258,7 +254,7 @@ def backward_weight(split: BackwardSplit, res, cts, carry):
   env = _env(split, res, cts)
   env.update(zip(split.carry, carry))
   env = eval_eqns(split.bw_eqns, env)
-  return [_read(env, v) for v in split.jaxpr.outvars[:split.n_params]]
+  return [read(env, v) for v in split.jaxpr.outvars[:split.n_params]]
 
 
 def full_residuals(ad: RegionAD, stored, params, batch, acts, outs) -> list:

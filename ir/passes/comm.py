@@ -52,11 +52,9 @@ def insert_collectives(graph: Graph, model: ModelSpec, mesh: MeshSpec) -> Graph:
   for r in model.regions:
     upd = graph.nodes[f"upd{r.index}"]
     params = upd.tensors
-    # Expert parameters are reduced only between the copies of an expert group.
-    experts = mesh.sharded.get(r.index) == "ep"
-    replicas = mesh.n_dp // (mesh.size("ep") * mesh.size("tp")) if experts else mesh.n_data
-    zero = 0 if experts else mesh.zero
-    axis = "dp" if experts else "+".join(mesh.data_axes)
+    axes, replicas = mesh.copies(mesh.sharded.get(r.index))
+    zero = 0 if mesh.sharded.get(r.index) == "ep" else mesh.zero
+    axis = "+".join(axes)
     if replicas > 1 and params:
       backs = [n for n in by_region[r.index] if n.pass_.value != "F"]
       common = dict(region=r.index, tags=r.tags, devices=upd.devices, zero=zero, axis=axis,

@@ -51,15 +51,12 @@ def _check_ep(model: ModelSpec, r: int, g: int, err) -> None:
               f"that divides the expert count")
 
 
-def _check_tp(model: ModelSpec, r: int, g: int, axis: str, err) -> bool:
-  found = False
-  for p, dim in split_dims(model, r, "tp", axis).items():
+def _check_tp(model: ModelSpec, dims: dict[int, int], g: int, axis: str, err) -> None:
+  for p, dim in dims.items():
     spec = model.params[p]
-    found = True
     if spec.shape[dim] % g:
       raise err(f"parameter {spec.name} {list(spec.shape)} is split along dimension {dim} "
                 f"({axis!r}) of size {spec.shape[dim]}, which does not divide over {g} devices")
-  return found
 
 
 def shard_regions(graph: Graph, model: ModelSpec, mesh: MeshSpec,
@@ -134,8 +131,8 @@ def shard_regions(graph: Graph, model: ModelSpec, mesh: MeshSpec,
     if kind == "ep":
       _check_ep(model, r, e, lambda msg, i=i, d=d: DirectiveError(msg, i, d))
     else:
-      found = _check_tp(model, r, t, d.axis, lambda msg, i=i, d=d: DirectiveError(msg, i, d))
-      tp_found[i] = tp_found.get(i, False) or found
+      _check_tp(model, dims[r], t, d.axis, lambda msg, i=i, d=d: DirectiveError(msg, i, d))
+      tp_found[i] = tp_found.get(i, False) or bool(dims[r])
   for i, found in tp_found.items():
     if not found:
       raise DirectiveError(f"no parameter of the matched regions has the partitioning name "
