@@ -160,6 +160,15 @@ def test_bad_shard_directives():
           "directive 1", "not a shard group", "consecutive devices")
   _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [4, 5])]),
           "none of devices")
+  # One device is no group; MB/PASS in a shard filter; two group sizes for one kind.
+  _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [1, 5])]),
+          "only device 1 of \\[1, 5\\]", "at least two")
+  _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"EP": "*", "PASS": "F"}, [0, 1])]),
+          "drop MB and PASS")
+  _raises(lambda: plan([pj.replicate({"EP": 0}, [0, 1, 2, 3]), pj.replicate({"EP": 1}, [0, 1, 2, 3]),
+                        pj.replicate({"PP": 0}, [0, 1, 2, 3]),
+                        pj.shard({"EP": 0}, [0, 1]), pj.shard({"EP": 1}, [0, 1, 2, 3])]),
+          r"directive 4 ", "shard over groups of 4 devices but directive 3 uses 2")
   # shard and shard_tensor on the same region.
   _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [0, 1]),
                         pj.shard_tensor({"EP": 0}, [0, 1])]),
@@ -175,7 +184,13 @@ def test_bad_shard_tensor_directives():
   # A partitioning name no parameter has.
   _raises(lambda: plan([pj.replicate({}, [0, 1]), pj.shard_tensor({}, [0, 1], axis="model")]),
           "no parameter .* partitioning name 'model'")
-  # Splitting a region's tensors where the split dimension would mix with others.
+  # With shard_tensor over consecutive devices, expert groups must stride over them.
+  mconfig, mloss, mparams = _moe(tp_axis="tp")
+  _raises(lambda: _plan(mloss, mparams, mconfig, [pj.replicate({}, [0, 1, 2, 3]),
+                                                 pj.shard_tensor({}, [0, 1]),
+                                                 pj.shard({"EP": "*"}, [0, 1])]),
+          r"directive 2 \{\"op\": \"shard\"", "2 devices at stride 2")
+  # A model without partitioning names has nothing for shard_tensor to split.
   plain, ploss, pparams = _moe()
   _raises(lambda: _plan(ploss, pparams, plain, [pj.replicate({}, [0, 1]),
                                                pj.shard_tensor({}, [0, 1])]),
