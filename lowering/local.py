@@ -387,7 +387,6 @@ class RegionRunner:
     self.axes = dict(axes or {})
     self.split_dims = split_dims or {}
     self.axis_env = [(a.name, a.size) for a in self.axes.values()]
-    self.casts = {r.index: traced.param_casts(r.index) for r in self.spec.regions}
 
   def io_local(self, r: int) -> bool:
     """Whether region `r`'s inputs and outputs are in the all-to-all layout (expert parallel)."""
@@ -399,19 +398,13 @@ class RegionRunner:
     return jax.ShapeDtypeStruct(shape, jnp.dtype(spec.dtype))
 
   def avals(self, r: int) -> tuple[list, list, list]:
-    """Abstract (params, batch, activations) as `run(r, ...)` takes them on one device.
-
-    Parameters the region reads only through a narrowing cast (`casts[r]`) are taken
-    already cast, so that the caller casts them once per step, not per microbatch.
-    """
+    """Abstract (params, batch, activations) as `run(r, ...)` takes them on one device."""
     spec, model = self.spec.regions[r], self.spec
     dims = self.split_dims.get(r, {})
     n = self.axes[self.kind[r]].size if r in self.kind else 1
     sds = lambda s, d=None: jax.ShapeDtypeStruct(
         s.shape if d is None else local_shape(s.shape, {d}, n), jnp.dtype(s.dtype))
     params = [sds(model.params[p], dims.get(p)) for p in spec.params]
-    for i, dt in self.casts[r].items():  # fed as the copy the region would cast to
-      params[i] = jax.ShapeDtypeStruct(params[i].shape, dt)
     batch = [sds(model.batch[i]) for i in spec.batch]
     acts = [self._io_aval(x.spec) if self.io_local(r) else sds(x.spec) for x in spec.inputs]
     return params, batch, acts

@@ -58,12 +58,6 @@ class Program:
         cts = [out_avals[k] for k in self.ad[t.region].float_outs]
         self.split[t.region] = split_backward(self.ad[t.region], cts, runner.axis_env)
     self.n_mb = plan.n_microbatches
-    # Narrowing casts regions read parameters through: target dtype -> source dtypes.
-    self.cast_sources: dict[str, set[str]] = {}
-    for r in self.model.regions:
-      for i, to in runner.casts[r.index].items():
-        src = self.model.params[r.params[i]].dtype
-        self.cast_sources.setdefault(str(to), set()).add(src)
     self.mbs = self.model.batch_size
     self._plan_grads()
     self._plan_values()
@@ -232,7 +226,6 @@ class Program:
     acc: dict = {}   # ZeRO 0/1: grad position -> sum; ZeRO 2/3: (slot, dtype) -> reduced chunk
     split_acc: dict[int, jax.Array] = {}   # split leaves' pieces, by grad position
     loss = jnp.zeros((), jnp.float32)
-    low = self._cast_once(params) if zero < 3 else {}
     for tick_i, tick in enumerate(plan.ticks):
       info = self.ticks[tick_i]
       # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
@@ -249,7 +242,7 @@ class Program:
                       if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
       operands = {"arrays": {k: arrays[k] for k in reads},
                   "params": params if segs is None else segs, "split": split,
-                  "low": low, "batch": batch}
+                  "batch": batch}
       branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
                   for rank in range(plan.n_ranks)]
       keep, rounds, grads, tick_loss = self._switch(branches, operands)
@@ -279,19 +272,6 @@ class Program:
     out = self._finish_grads(acc)
     out["split"] = self._finish_split(split_acc)
     return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
-
-  def _cast_once(self, params: dict) -> dict:
-    """The local parameter buffers cast once per step to each dtype that regions read
-    parameters as (mixed precision: bf16 copies of fp32 weights), instead of once per
-    microbatch and pass inside every tick. Under ZeRO-3 the gathered segments are cast
-    per tick instead."""
-    out = {}
-    for to, sources in self.cast_sources.items():
-      cast = lambda x: x.astype(to) if str(x.dtype) in sources else x
-      out[to] = {"slots": {dt: cast(x) for dt, x in params["slots"].items() if dt in sources},
-                 "shared": {dt: cast(x) for dt, x in params["shared"].items() if dt in sources},
-                 "split": [cast(x) for x in params["split"]]}
-    return out
 
   def _split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
     """Split weights' pieces for a tick that reads parameters `read`; under ZeRO-3 those
@@ -364,22 +344,17 @@ class Program:
 
       seg_cache = {}
 
-      def segment(slot, dt, low):
-        if (slot, dt, low) not in seg_cache:
-          local = ops["low"][low] if low else ops["params"]
-          seg_cache[(slot, dt, low)] = (ops["params"][(slot, dt)] if gathered
-                                        else layout.local_segment(local, slot, dt))
-        return seg_cache[(slot, dt, low)]
+      def segment(slot, dt):
+        if (slot, dt) not in seg_cache:
+          seg_cache[(slot, dt)] = (ops["params"][(slot, dt)] if gathered
+                                   else layout.local_segment(ops["params"], slot, dt))
+        return seg_cache[(slot, dt)]
 
-      def param(p, to=None):
-        """Leaf p, as dtype `to` if the region reads it through that cast."""
-        low = str(to) if to is not None and str(to) in ops["low"] else None
+      def param(p):
         if p in layout.split:
-          x = layout.local_piece(ops["low"][low] if low else {"split": ops["split"]}, p)
-        else:
-          h = layout.home[p]
-          x = layout.leaf(segment(h.slot, h.dtype, low), h)
-        return x if to is None else x.astype(to)
+          return layout.local_piece({"split": ops["split"]}, p)
+        h = layout.home[p]
+        return layout.leaf(segment(h.slot, h.dtype), h)
 
       def batch_mb(r, m):
         return [lax.dynamic_slice_in_dim(ops["batch"][i], m * self.mbs, self.mbs, 0)
@@ -390,8 +365,7 @@ class Program:
       for t in tasks:
         r, m = t.region, t.mb
         spec, ad = model.regions[r], self.ad[r]
-        casts = self.runner.casts[r]
-        params = [param(p, casts.get(i)) for i, p in enumerate(spec.params)]
+        params = [param(p) for p in spec.params]
         batch = batch_mb(r, m)
         ep = self.runner.io_local(r)
         if t.pass_ is Pass.F:
@@ -443,7 +417,6 @@ class Program:
           env[("ct", r, m, i)] = self._combine(x) if ep else x
         for i, g in zip(ad.diff_params, d_params):
           p = spec.params[i]
-          g = g.astype(model.params[p].dtype)  # the cast's cotangent, back to the weight's dtype
           grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
 
       def fill(positions, where):

@@ -204,25 +204,6 @@ class TracedLoss:
     eval_eqns(reg.eqns, env)
     return [env[v] for v in reg.out_vars]
 
-  def param_casts(self, r: int) -> dict[int, np.dtype]:
-    """Region `r`'s parameters that it reads only through one narrowing cast (the bf16
-    copy of an fp32 weight under mixed precision): position in its params -> dtype.
-
-    The caller may cast such a parameter once per step and feed the copy to every
-    microbatch: the region's own cast is then a no-op, and the gradient it returns
-    is the cast's cotangent, which the caller converts back.
-    """
-    reg = self.regions[r]
-    casts: dict = {v: None for v in reg.param_vars}  # None: no use yet; False: not cast-only
-    for e in reg.eqns:
-      for v in dict.fromkeys(v for v in e.invars if not isinstance(v, Literal) and v in casts):
-        to = e.params.get("new_dtype") if e.primitive.name == "convert_element_type" else None
-        narrows = (to is not None and jnp.issubdtype(to, jnp.floating)
-                   and np.dtype(to).itemsize < np.dtype(v.aval.dtype).itemsize)
-        casts[v] = np.dtype(to) if narrows and casts[v] in (None, np.dtype(to)) else False
-    return {i: casts[v] for i, v in enumerate(reg.param_vars)
-            if casts[v] and v not in reg.out_vars}
-
   def loss_output(self) -> int:
     """Which output of the loss region is the loss."""
     return self.regions[self.loss_region].out_vars.index(self.loss_var)

@@ -55,13 +55,11 @@ def test_train_gpt_example_runs():
   assert len(losses) == 3 and all(l == l for l in losses) and losses[-1] < losses[0]
 
 
-def test_weights_cast_once_per_step_and_mask_recomputed(monkeypatch):
-  # With bf16 compute, the bf16 copies of the fp32 weights are made once per step and
-  # read by every microbatch's F and B (not cast inside each tick, not stored per
-  # microbatch); the causal mask is recomputed in B instead of being stored.
+def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
+  # With bf16 compute, the bf16 copies of the weights (and the causal mask) are
+  # recomputed in B from the parameters instead of being kept per microbatch.
   import jax.numpy as jnp
   import models
-  import numpy as np
   config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2, n_stages=2,
                          dtype=jnp.bfloat16)
   model = gpt.GPT(config)
@@ -70,17 +68,11 @@ def test_weights_cast_once_per_step_and_mask_recomputed(monkeypatch):
   batches = [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
   tx = models.optimizer()
   ref, _ = models.reference_run(gpt.loss_fn(model), params, batches, tx)
-  losses, _, step, state = models.piper_run(gpt.loss_fn(model), params, batches, tx,
-                                            pj.strategies.pipeline(2, 2, "1f1b"))
+  losses, _, step, _ = models.piper_run(gpt.loss_fn(model), params, batches, tx,
+                                        pj.strategies.pipeline(2, 2, "1f1b"))
+  ad = step._program.ad[0]
+  recomputed = [a for a in ad.alias if a and a[0] == "recompute"]
+  assert any(str(v.aval.dtype) == "bfloat16" and v.aval.ndim == 2 for _, v in recomputed)
+  assert len(ad.stored) + len(recomputed) <= len(ad.alias)
+  import numpy as np
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
-  program = step._program
-  casts = program.runner.casts[0]
-  assert casts and {str(d) for d in casts.values()} == {"bfloat16"}
-  ad = program.ad[0]
-  assert any(a and a[0] == "param" and a[1] in casts for a in ad.alias)
-  assert any(a and a[0] == "recompute" for a in ad.alias)  # the mask
-  # No weight-shaped fp32 -> bf16 convert is left in the step (one per buffer instead).
-  text = step.lower(state, batches[0]).as_text()
-  for i in casts:
-    shape = "x".join(map(str, program.model.params[program.model.regions[0].params[i]].shape))
-    assert f"(tensor<{shape}xf32>) -> tensor<{shape}xbf16>" not in text
