@@ -1,15 +1,61 @@
-"""Profiles a few steps of one benchmark variant with jax.profiler (for reading the trace).
+"""Profiles a few steps of one benchmark variant and says where the GPU time went.
 
   python benchmarks/profile_step.py --variant pp-1f1b --model 268m --out DIR
+
+Writes the optimized HLO and a jax.profiler trace (with a Perfetto JSON) under DIR
+and prints, for the first GPU: the wall time of the profiled steps, the time some
+kernel ran (busy), the largest idle gaps, and the kernels that took the most time,
+grouped by name with digits removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def summarize(trace_path: str, top: int = 15) -> str:
+  """A text summary of the first GPU's kernels in a Perfetto JSON trace."""
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and re.search(r"/device:GPU:0\b", str(e.get("args", {}).get("name", "")))}
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur")]
+  if not kernels:
+    names = sorted({str(e.get("args", {}).get("name")) for e in events
+                    if e.get("ph") == "M" and e.get("name") == "process_name"})
+    return f"no GPU:0 kernels in the trace; its processes: {names}"
+  spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+  busy, gaps, end = 0.0, [], spans[0][0]
+  start = end
+  for a, b in spans:
+    if a > end:
+      gaps.append(a - end)
+    busy += max(0.0, b - max(a, end))
+    end = max(end, b)
+  wall = end - start
+  by_name = collections.defaultdict(lambda: [0.0, 0])
+  for e in kernels:
+    key = re.sub(r"\d+", "#", e["name"])[:70]
+    by_name[key][0] += e["dur"]
+    by_name[key][1] += 1
+  short = [e["dur"] for e in kernels if e["dur"] < 10]
+  lines = [f"GPU:0 {len(kernels)} kernels over {wall / 1e3:.1f} ms: busy {busy / 1e3:.1f} ms "
+           f"({100 * busy / wall:.0f}%), {len(short)} kernels under 10 us ({sum(short) / 1e3:.1f} ms)",
+           "largest idle gaps (us): " + ", ".join(f"{g:.0f}" for g in sorted(gaps)[-8:][::-1]),
+           f"idle gaps over 50 us: {sum(g for g in gaps if g > 50) / 1e3:.1f} ms in "
+           f"{sum(g > 50 for g in gaps)}"]
+  for name, (dur, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+    lines.append(f"  {dur / 1e3:8.1f} ms {100 * dur / busy:5.1f}% x{count:<6d} {name}")
+  return "\n".join(lines)
 
 
 def main():
@@ -17,6 +63,7 @@ def main():
   ap.add_argument("--variant", default="pp-1f1b")
   ap.add_argument("--model", default="268m")
   ap.add_argument("--microbatches", type=int, default=8)
+  ap.add_argument("--steps", type=int, default=1)
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   import jax
@@ -27,24 +74,33 @@ def main():
   from examples import gpt
 
   n = len(jax.devices())
-  config = _config(args.model, 2)
+  pipe = args.variant.startswith("pp-")
+  config = _config(args.model, 2 if pipe else 1)
   net = gpt.GPT(config)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
   batch = gpt.random_batch(config, jax.random.PRNGKey(1), 16)
-  directives = pj.strategies.pipeline(2, args.microbatches, schedule=args.variant[3:], dp=n // 2)
+  if pipe:
+    directives = pj.strategies.pipeline(2, args.microbatches, schedule=args.variant[3:], dp=n // 2)
+  else:
+    zero = 0 if args.variant == "dp" else int(args.variant[-1])
+    directives = [pj.replicate({}, list(range(n)), zero=zero)]
   step = pj.compile(gpt.loss_fn(net), optax.adamw(1e-4), directives, params, batch)
   state = step.init(params)
   hlo = step.lower(state, batch).compile().as_text()
+  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
     f.write(hlo)
   print("conditionals in optimized HLO:", hlo.count(" conditional("), flush=True)
   for _ in range(2):
     state, loss = step(state, batch)
   loss.block_until_ready()
-  with jax.profiler.trace(os.path.join(args.out, "trace")):
-    for _ in range(2):
+  trace_dir = os.path.join(args.out, "trace")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(args.steps):
       state, loss = step(state, batch)
     loss.block_until_ready()
+  for path in glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True):
+    print(summarize(path), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row 
 the same run: predicted = DP step time x makespan / (work per rank). `dp@b25` is
 data parallel with gradients all-reduced in 25 MB buckets during the backward.
 A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
-experts are split over each rank's data-parallel devices.
+experts are split over each rank's data-parallel devices. The dense GPT's pipeline
+stages get `gpt.balanced_stage_layers` blocks each (the last stage fewer, for the
+head and the loss); a `+even` suffix splits the blocks equally instead.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -66,7 +68,7 @@ def _setup_cpu(small: bool):
                                " --xla_force_host_platform_device_count=8").strip()
 
 
-def _config(model: str, n_stages: int):
+def _config(model: str, n_stages: int, even: bool = False):
   import jax.numpy as jnp
   from examples import gpt, moe
   if model.startswith("moe-"):
@@ -74,10 +76,14 @@ def _config(model: str, n_stages: int):
       return moe.get_config("tiny", n_stages=n_stages, n_layers=4, n_experts=8)
     return moe.get_config(model[4:], n_stages=n_stages, dtype=jnp.bfloat16,
                           param_dtype=jnp.float32)
-  if model == "tiny":
-    # 8 layers, so every variant (up to 4 ranks x 2 stages) trains the same model.
-    return gpt.get_config("tiny", n_stages=n_stages, n_layers=8)
-  return gpt.get_config(model, n_stages=n_stages, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  # tiny: 8 layers, so every variant (up to 4 ranks x 2 stages) trains the same model.
+  kw = (dict(n_layers=8) if model == "tiny" else
+        dict(dtype=jnp.bfloat16, param_dtype=jnp.float32))
+  config = gpt.get_config(model, n_stages=n_stages, **kw)
+  if even or n_stages == 1:
+    return config
+  return gpt.get_config(model, n_stages=n_stages,
+                        stage_layers=gpt.balanced_stage_layers(config, n_stages), **kw)
 
 
 def _fsdp_spec(x, n):
@@ -105,10 +111,11 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
 
   devices = jax.devices()
   n = len(devices)
-  base, ep = variant.removesuffix("+ep"), variant.endswith("+ep")
+  base, *mods = variant.split("+")
+  ep = "ep" in mods
   pipe = parse_pipeline(base, zero)
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
-  config = _config(model, n_stages)
+  config = _config(model, n_stages, even="even" in mods)
   net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
   loss_fn = gpt.loss_fn(net)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
@@ -260,8 +267,11 @@ def main(argv=None):
     args.model, args.batch, args.steps, args.warmup = model, 16, 2, 1
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
-    if v.removesuffix("+ep").partition("@")[0] not in BASELINES + PIPER[:4]:
-      parse_pipeline(v.removesuffix("+ep"), args.zero)
+    base, *mods = v.split("+")
+    if set(mods) - {"ep", "even"}:
+      raise ValueError(f"unknown suffix in {v!r}: use +ep and +even")
+    if base.partition("@")[0] not in BASELINES + PIPER[:4]:
+      parse_pipeline(base, args.zero)
   _setup_cpu(args.small)
   if args.child:
     sys.path.insert(0, ROOT)

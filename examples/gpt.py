@@ -1,9 +1,10 @@
 """A small GPT in Flax linen, used by the examples, tests and benchmarks.
 
-The transformer blocks are divided into `n_stages` contiguous groups, each run
-inside ``annotate("PP")``, so the compiler sees one pipeline region per group
-(PP=0, PP=1, ...). The embedding and the head are not annotated: the compiler
-joins them to the first and the last region.
+The transformer blocks are divided into `n_stages` contiguous groups (equal, or
+`stage_layers` blocks each), each run inside ``annotate("PP")``, so the compiler
+sees one pipeline region per group (PP=0, PP=1, ...). The embedding and the head
+are not annotated: the compiler joins them to the first and the last region;
+`balanced_stage_layers` gives the last stage fewer blocks to make up for the head.
 
 Parameter names do not depend on `n_stages` (blocks are ``block_0`` ...
 ``block_{n_layers-1}`` at the top level), so the same parameters run under any
@@ -27,6 +28,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "PRESETS",
+    "balanced_stage_layers",
     "count_params",
     "flops_per_token",
     "get_config",
@@ -47,7 +49,10 @@ class GPTConfig:
     n_layers: number of transformer blocks.
     n_heads: number of attention heads; must divide d_model.
     mlp_ratio: MLP hidden width as a multiple of d_model.
-    n_stages: number of pipeline regions; must divide n_layers.
+    n_stages: number of pipeline regions; must divide n_layers unless
+      stage_layers is given.
+    stage_layers: blocks in each pipeline region (n_stages numbers >= 1 summing
+      to n_layers); None splits them equally.
     tie_embeddings: use the token embedding as the output head.
     dtype: compute dtype (the loss is always computed in float32).
     param_dtype: parameter dtype.
@@ -64,13 +69,21 @@ class GPTConfig:
   n_heads: int
   mlp_ratio: int = 4
   n_stages: int = 1
+  stage_layers: tuple[int, ...] | None = None
   tie_embeddings: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   tp_axis: str | None = None
 
   def __post_init__(self):
-    if self.n_stages < 1 or self.n_layers % self.n_stages:
+    if self.stage_layers is not None:
+      layers = tuple(self.stage_layers)
+      if (len(layers) != self.n_stages or min(layers, default=0) < 1
+          or sum(layers) != self.n_layers):
+        raise ValueError(
+            f"stage_layers={layers} must give each of the n_stages={self.n_stages} "
+            f"stages at least one block, {self.n_layers} (n_layers) in all")
+    elif self.n_stages < 1 or self.n_layers % self.n_stages:
       raise ValueError(
           f"n_layers={self.n_layers} must be divisible by n_stages="
           f"{self.n_stages}; pick n_stages among the divisors of n_layers")
@@ -83,8 +96,11 @@ class GPTConfig:
     return self.d_model // self.n_heads
 
   @property
-  def layers_per_stage(self) -> int:
-    return self.n_layers // self.n_stages
+  def stage_bounds(self) -> list[tuple[int, int]]:
+    """[first block, end) of every pipeline region."""
+    layers = self.stage_layers or (self.n_layers // self.n_stages,) * self.n_stages
+    ends = [sum(layers[:s + 1]) for s in range(self.n_stages)]
+    return [(e - n, e) for e, n in zip(ends, layers)]
 
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -188,10 +204,9 @@ class GPT(nn.Module):
         embedding_init=_dense_init(0.01), name="pos_embed")
     x = embed(tokens) + pos_embed(jnp.arange(tokens.shape[1]))[None]
 
-    for stage in range(cfg.n_stages):
+    for first, end in cfg.stage_bounds:
       with annotate("PP"):
-        for i in range(stage * cfg.layers_per_stage,
-                       (stage + 1) * cfg.layers_per_stage):
+        for i in range(first, end):
           x = self.block_cls(cfg, name=f"block_{i}")(x)
 
     x = nn.LayerNorm(
@@ -250,6 +265,26 @@ def count_params(params: Any) -> int:
   """Total number of parameters in a pytree."""
   return sum(x.size for x in jax.tree_util.tree_leaves(params))
 
+
+def balanced_stage_layers(config: GPTConfig, n_stages: int) -> tuple[int, ...]:
+  """Blocks per pipeline stage that give every stage about the same work.
+
+  The last stage also runs the output head and the loss; they count as
+  `head FLOPs / block FLOPs + 1` blocks, the one for the softmax and cross-entropy
+  over the vocabulary, which are memory-bound (a 268M GPT profiled on H200 spent
+  about a block's time on them; benchmarks/RESULTS.md). The first stage's
+  embedding lookup counts as nothing.
+  """
+  d, L, T = config.d_model, config.n_layers, config.seq_len
+  block = (4 + 2 * config.mlp_ratio) * d * d + 2 * d * T
+  head = d * config.vocab_size / block + 1.0
+  if not 1 <= n_stages <= L:
+    raise ValueError(f"cannot put {L} blocks in {n_stages} stages of at least one block")
+  if n_stages == 1:
+    return (L,)
+  last = max(1, min(L - n_stages + 1, round((L + head) / n_stages - head)))
+  q, r = divmod(L - last, n_stages - 1)
+  return tuple(q + (s < r) for s in range(n_stages - 1)) + (last,)
 
 def flops_per_token(config: GPTConfig) -> float:
   """Training FLOPs per token, for MFU.

@@ -4,7 +4,8 @@ Each tick, every pipeline rank runs its own tasks through one `lax.switch` on
 `axis_index("pp")`. Values that outlive a tick leave the switch as a list of arrays
 whose positions ranks share by shape (`layout.match_positions`): a "keep" list for the
 rank itself and one list per `ppermute` round for the values other ranks read.
-Gradients accumulate per leaf, unreduced over microbatches, and are laid out into
+Gradients accumulate per leaf, unreduced over microbatches (added to the running sums
+inside the switch, so a tick writes each sum once), and are laid out into
 the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
 reduce-scattered per tick (ZeRO 2/3); ZeRO-3 gathers a slot's parameters before the
 switch. Expert-parallel regions exchange their tokens by all-to-all over "ep" before and
@@ -240,9 +241,15 @@ class Program:
       reads = sorted({self.loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                       for key in self._reads(t)
                       if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
+      # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
+      acc_in = {}
+      for pos in info["grads"]:
+        sums = split_acc if pos >= self.split_grad0 else acc if zero < 2 else {}
+        if pos in sums:
+          acc_in[pos] = sums[pos]
       operands = {"arrays": {k: arrays[k] for k in reads},
                   "params": params if segs is None else segs, "split": split,
-                  "batch": batch}
+                  "batch": batch, "acc": acc_in}
       branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
                   for rank in range(plan.n_ranks)]
       keep, rounds, grads, tick_loss = self._switch(branches, operands)
@@ -253,15 +260,13 @@ class Program:
         for pos, x in enumerate(payload):
           arrays[("recv", tick_i, ri, pos)] = lax.ppermute(x, "pp", perm=rnd)
       for pos in [p for p in grads if p >= self.split_grad0]:
-        x = grads.pop(pos)
-        split_acc[pos] = split_acc[pos] + x if pos in split_acc else x
+        split_acc[pos] = grads.pop(pos)
       if zero >= 2 and grads:
         for key, x in self._assemble(grads).items():
           x = lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
           acc[key] = acc[key] + x if key in acc else x
       else:
-        for pos, x in grads.items():
-          acc[pos] = acc[pos] + x if pos in acc else x
+        acc.update(grads)
         for bucket in self.buckets.get(tick_i, []):
           # One all-reduce of several arrays as soon as they are final, which XLA
           # can overlap with the backward work that follows.
@@ -428,9 +433,17 @@ class Program:
 
       keep = fill(keep_pos, keep_where)
       rounds = [fill(pos, where) for _, pos, where in info["rounds"]]
+      # The tick's gradients added to the sums passed in; a rank that makes none for a
+      # position passes its sum through (no zeros written, no second buffer per tick).
       by_pos = {self.grad_where[(rank, p)]: g for p, g in grad_acc.items()}
-      grads = {pos: by_pos[pos].astype(self.grad_positions[pos][1]) if pos in by_pos
-               else _zeros(self.grad_positions[pos]) for pos in info["grads"]}
+      grads = {}
+      for pos in info["grads"]:
+        g, old = by_pos.get(pos), ops["acc"].get(pos)
+        if g is not None:
+          g = g.astype(self.grad_positions[pos][1])
+          grads[pos] = g if old is None else old + g
+        else:
+          grads[pos] = _zeros(self.grad_positions[pos]) if old is None else old
       return keep, rounds, grads, loss
 
     return run

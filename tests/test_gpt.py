@@ -10,9 +10,10 @@ from models import assert_same_run
 pytestmark = pytest.mark.timeout(300)
 
 
-def _gpt(n_stages, tied=False):
-  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=max(2, n_stages), n_heads=2,
-                         n_stages=n_stages, tie_embeddings=tied)
+def _gpt(n_stages, tied=False, **kw):
+  kw.setdefault("n_layers", max(2, n_stages))
+  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=2,
+                         n_stages=n_stages, tie_embeddings=tied, **kw)
   model = gpt.GPT(config)
   return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
 
@@ -27,6 +28,25 @@ def test_gpt_1f1b_x_dp2(zero, monkeypatch):
   import models
   monkeypatch.setattr(models, "random_batch", _batches(config))
   assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=zero), batch_size=8)
+
+
+def test_gpt_uneven_stages_1f1b(monkeypatch):
+  # balanced_stage_layers gives the last stage (head and loss) fewer blocks.
+  config, loss, params = _gpt(2, n_layers=4, stage_layers=(3, 1))
+  assert config.stage_bounds == [(0, 3), (3, 4)]
+  import models
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 4, "1f1b", dp=2), batch_size=8)
+
+
+def test_balanced_stage_layers():
+  big = gpt.get_config("1.3b")
+  assert gpt.balanced_stage_layers(big, 2) == (13, 11)
+  assert gpt.balanced_stage_layers(big, 4) == (7, 7, 6, 4)
+  assert gpt.balanced_stage_layers(gpt.get_config("268m"), 2) == (10, 6)
+  assert gpt.balanced_stage_layers(big, 1) == (24,)
+  with pytest.raises(ValueError, match="stage_layers"):
+    gpt.get_config("tiny", n_stages=2, stage_layers=(4, 1))
 
 
 def test_gpt_tied_embeddings_gpipe(monkeypatch):
