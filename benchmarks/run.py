@@ -28,6 +28,7 @@ step), and the ratio of tokens/s to the matching plain-JAX baseline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -69,6 +70,12 @@ def _setup_cpu(small: bool):
 
 
 def _config(model: str, n_stages: int, even: bool = False):
+  config = _preset(model, n_stages, even)
+  attention = os.environ.get("PIPER_BENCH_ATTENTION")  # set by --attention
+  return dataclasses.replace(config, attention=attention) if attention else config
+
+
+def _preset(model: str, n_stages: int, even: bool):
   import jax.numpy as jnp
   from examples import gpt, moe
   if model.startswith("moe-"):
@@ -258,6 +265,8 @@ def main(argv=None):
   ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
   ap.add_argument("--pp", type=int, default=2, help="pipeline ranks of the pp-* variants")
   ap.add_argument("--zero", type=int, default=0, help="ZeRO of the pipelines' DP axis (or @zK)")
+  ap.add_argument("--attention", default=None, choices=["xla", "cudnn"],
+                  help="attention implementation (default: cuDNN for bf16 on GPU, else XLA)")
   ap.add_argument("--small", action="store_true", help="tiny model on 8 CPU devices")
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -273,6 +282,8 @@ def main(argv=None):
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)
+  if args.attention:
+    os.environ["PIPER_BENCH_ATTENTION"] = args.attention  # children inherit it
   if args.child:
     sys.path.insert(0, ROOT)
     row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,

@@ -56,6 +56,8 @@ class GPTConfig:
     tie_embeddings: use the token embedding as the output head.
     dtype: compute dtype (the loss is always computed in float32).
     param_dtype: parameter dtype.
+    attention: `jax.nn.dot_product_attention`'s implementation ("xla", "cudnn");
+      None picks cuDNN for bf16/fp16 on GPU and XLA elsewhere.
     tp_axis: when set, the attention and MLP weights carry Flax partitioning
       names (`nn.with_partitioning`) in Megatron's layout: qkv and fc split by
       columns (heads), out and proj by rows, along this name - what
@@ -73,6 +75,7 @@ class GPTConfig:
   tie_embeddings: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  attention: str | None = None
   tp_axis: str | None = None
 
   def __post_init__(self):
@@ -136,6 +139,22 @@ def _dense(cfg: GPTConfig, features: int, std: float, name: str, split: str | No
                   kernel_init=kernel_init, bias_init=bias_init, name=name)
 
 
+def attention_implementation(cfg: GPTConfig) -> str:
+  """`cfg.attention`, or by default cuDNN's fused attention for bf16/fp16 on GPU, else XLA.
+
+  (`jax.nn.dot_product_attention` itself defaults to XLA's, which materializes the
+  scores.) cuDNN needs a head dim that is a multiple of 8, at most 128.
+  """
+  if cfg.attention is not None:
+    return cfg.attention
+  half = jnp.dtype(cfg.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  fits = cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+  # Regions under shard_tensor are evaluated piece by piece, primitive by primitive;
+  # the cuDNN call has no such rule, XLA's attention does.
+  plain = cfg.tp_axis is None
+  return "cudnn" if half and fits and plain and jax.default_backend() == "gpu" else "xla"
+
+
 class CausalSelfAttention(nn.Module):
   """Multi-head causal self-attention."""
 
@@ -149,7 +168,8 @@ class CausalSelfAttention(nn.Module):
     qkv = _dense(cfg, 3 * cfg.d_model, 0.02, "qkv", "columns")(x)
     qkv = qkv.reshape(batch, seq, cfg.n_heads, 3, cfg.head_dim)
     q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                     implementation=attention_implementation(cfg))
     y = y.reshape(batch, seq, cfg.d_model)
     # GPT-2: scale residual projections down with depth.
     return _dense(cfg, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "out", "rows")(y)

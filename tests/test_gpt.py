@@ -49,6 +49,17 @@ def test_balanced_stage_layers():
     gpt.get_config("tiny", n_stages=2, stage_layers=(4, 1))
 
 
+def test_attention_implementation():
+  import dataclasses
+  import jax.numpy as jnp
+  bf16 = gpt.get_config("268m", dtype=jnp.bfloat16)
+  on_gpu = jax.default_backend() == "gpu"
+  assert gpt.attention_implementation(bf16) == ("cudnn" if on_gpu else "xla")
+  assert gpt.attention_implementation(gpt.get_config("268m")) == "xla"  # fp32
+  assert gpt.attention_implementation(dataclasses.replace(bf16, tp_axis="tp")) == "xla"
+  assert gpt.attention_implementation(dataclasses.replace(bf16, attention="cudnn")) == "cudnn"
+
+
 def test_gpt_tied_embeddings_gpipe(monkeypatch):
   config, loss, params = _gpt(2, tied=True)
   import models
