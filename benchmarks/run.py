@@ -11,7 +11,10 @@ the data-parallel axis (default `--zero`). Interleaved and DualPipeV hold two st
 per rank. Each pipeline row also gives the simulator's prediction (`plan.simulate`
 with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row of
 the same run: predicted = DP step time x makespan / (work per rank). `dp@b25` is
-data parallel with gradients all-reduced in 25 MB buckets during the backward.
+data parallel with gradients all-reduced in 25 MB buckets during the backward. `shmap-dp`
+is plain JAX data parallel written with `shard_map` (loss and gradients per device, then
+`pmean`): the fair baseline for MoE models, whose `jit-dp` routes the global batch as
+one group.
 A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
 experts are split over each rank's data-parallel devices. The dense GPT's pipeline
 stages get `gpt.balanced_stage_layers` blocks each (the last stage fewer, for the
@@ -38,7 +41,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BASELINES = ("jit-dp", "gspmd-fsdp")
+BASELINES = ("jit-dp", "gspmd-fsdp", "shmap-dp")
 PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
          "pp-dualpipev")
 # Which baseline each variant's ratio is taken against.
@@ -131,7 +134,27 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   tokens = batch * config.seq_len
   sim = {}
 
-  if variant in BASELINES:
+  if variant == "shmap-dp":
+    # Data parallel as a JAX user writes it with shard_map: each device runs the loss
+    # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
+    from jax import lax
+    from piper_jax.lowering.compat import shard_map
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def local_step(state, b):
+      p, o = state
+      loss, grads = jax.value_and_grad(loss_fn)(p, b)
+      grads, loss = lax.pmean((grads, loss), "d")
+      updates, o = tx.update(grads, o, p)
+      return (optax.apply_updates(p, updates), o), loss
+
+    call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
+                   donate_argnums=0)
+    rep_sh = NamedSharding(mesh, P())
+    p = jax.device_put(params, rep_sh)
+    state = (p, jax.jit(tx.init, out_shardings=rep_sh)(p))
+    batches = [jax.device_put(b, NamedSharding(mesh, P("d"))) for b in batches]
+  elif variant in BASELINES:
     mesh = Mesh(np.array(devices), ("d",))
     if variant == "jit-dp":
       pspec = jax.tree_util.tree_map(lambda x: P(), params)
