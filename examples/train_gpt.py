@@ -112,7 +112,7 @@ def build_strategy(args, n_devices: int):
   if args.ep:
     if not args.experts:
       raise UsageError("--ep splits the experts of a MoE model; add --experts N")
-    if args.experts % (n_used // n_stages if args.strategy.startswith("pp-") else n_used):
+    if args.experts % (args.dp if args.strategy.startswith("pp-") else n_used):
       raise UsageError(f"--experts {args.experts} must divide over the data-parallel devices "
                        f"of a stage for --ep")
     directives = directives + [pj.shard({"EP": "*"}, list(range(n_used)))]
@@ -132,8 +132,16 @@ def _base_strategy(args, n_devices: int):
           f"of data parallelism")
     return pj.strategies.data_parallel(n_devices, zero=zero), n_devices, 1
 
-  n_used = args.stages * args.dp
-  if args.stages < 1 or args.dp < 1 or n_used > n_devices:
+  schedule = args.strategy[len("pp-"):]
+  # Interleaved and DualPipeV hold two stages per pipeline rank.
+  per_rank = 2 if schedule in ("interleaved", "dualpipev") else 1
+  if args.stages < 1 or args.dp < 1 or args.stages % per_rank:
+    raise UsageError(f"--stages {args.stages} and --dp {args.dp} must be positive, and "
+                     f"--strategy {args.strategy} needs an even --stages (two per device)"
+                     if per_rank == 2 else
+                     f"--stages {args.stages} and --dp {args.dp} must be positive")
+  n_used = args.stages // per_rank * args.dp
+  if n_used > n_devices:
     raise UsageError(
         f"--stages {args.stages} x --dp {args.dp} needs {n_used} devices but "
         f"only {n_devices} are available; lower --stages or --dp")
@@ -141,7 +149,6 @@ def _base_strategy(args, n_devices: int):
     raise UsageError(
         f"--batch {args.batch} must be divisible by --dp {args.dp} x "
         f"--microbatches {args.microbatches}")
-  schedule = args.strategy[len("pp-"):]
   directives = pj.strategies.pipeline(
       args.stages, args.microbatches, schedule=schedule, dp=args.dp,
       zero=args.zero)

@@ -40,3 +40,25 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   with pytest.raises(train_gpt.TrainingDiverged, match="Last good checkpoint: step"):
     train_gpt.main(PP + ["--steps", "30", "--lr", "1e30", "--ckpt-dir", str(tmp_path / "d"),
                          "--ckpt-every", "1"])
+
+
+@pytest.mark.parametrize("argv,n_devices,match", [
+    (["--strategy", "dp", "--ep"], 8, "add --experts"),
+    (["--strategy", "pp-1f1b", "--stages", "2", "--dp", "4", "--experts", "6", "--ep",
+      "--batch", "16"], 8, "must divide over the data-parallel devices"),
+    (["--strategy", "pp-1f1b", "--stages", "4", "--dp", "4"], 8, "needs 16 devices"),
+    (["--strategy", "pp-dualpipev", "--stages", "3"], 8, "even --stages"),
+    (["--strategy", "dp", "--batch", "12"], 8, "divisible by the 8 devices"),
+])
+def test_usage_errors(argv, n_devices, match):
+  with pytest.raises(train_gpt.UsageError, match=match):
+    train_gpt.build_strategy(train_gpt.parse_args(argv), n_devices)
+
+
+def test_two_stages_per_device_count_devices_right():
+  # DualPipeV and interleaved hold two stages per device: 4 stages x DP 2 use 4 devices.
+  args = train_gpt.parse_args(["--strategy", "pp-dualpipev", "--stages", "4", "--dp", "2",
+                               "--microbatches", "4", "--batch", "8", "--experts", "4", "--ep"])
+  directives, n_used, n_stages = train_gpt.build_strategy(args, 4)
+  assert (n_used, n_stages) == (4, 4)
+  assert directives[-1].devices == (0, 1, 2, 3)
