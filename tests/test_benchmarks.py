@@ -46,3 +46,24 @@ def test_run_small_moe(tmp_path):
   # Dropless routing: the same numbers under every strategy and plain shard_map DP.
   losses = [r["loss"] for r in rows]
   assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+
+
+def test_profile_summary(tmp_path):
+  # profile_step.summarize reads a Perfetto trace: busy time is the union of the first
+  # GPU's kernels, gaps are the idle stretches between them.
+  import gzip
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  from profile_step import summarize
+  meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 8, "args": {"name": "/device:GPU:1"}}]
+  kernels = [{"ph": "X", "pid": 7, "tid": 1, "ts": 0, "dur": 100, "name": "gemm_12"},
+             {"ph": "X", "pid": 7, "tid": 2, "ts": 50, "dur": 100, "name": "gemm_3"},
+             {"ph": "X", "pid": 7, "tid": 1, "ts": 400, "dur": 5, "name": "add_fusion"},
+             {"ph": "X", "pid": 8, "tid": 1, "ts": 0, "dur": 999, "name": "other_gpu"}]
+  path = tmp_path / "t.trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": meta + kernels}, f)
+  text = summarize(str(path))
+  assert "3 kernels over 0.4 ms: busy 0.2 ms (38%)" in text, text
+  assert "largest idle gaps (us): 250" in text
+  assert "gemm_#" in text and "other_gpu" not in text
