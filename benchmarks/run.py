@@ -18,7 +18,9 @@ one group.
 A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
 experts are split over each rank's data-parallel devices. The dense GPT's pipeline
 stages get `gpt.balanced_stage_layers` blocks each (the last stage fewer, for the
-head and the loss); a `+even` suffix splits the blocks equally instead.
+head and the loss); a `+even` suffix splits the blocks equally instead. A `+bf16` suffix
+keeps parameters and optimizer states in bf16 (the PyTorch peer's setting; fp32 master
+weights otherwise) and takes its ratio against `jit-dp+bf16`.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -51,8 +53,9 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev"
 
 
 def BASELINE_OF(variant: str) -> str:
-  """The plain-JAX row a variant's ratio is taken against."""
-  return _BASELINE.get(variant.partition("@")[0], "jit-dp")
+  """The plain-JAX row a variant's ratio is taken against (the `+bf16` one for `+bf16`)."""
+  base, *mods = variant.split("+")
+  return _BASELINE.get(base.partition("@")[0], "jit-dp") + ("+bf16" if "bf16" in mods else "")
 
 
 def parse_pipeline(variant: str, default_zero: int) -> tuple[str, int] | None:
@@ -72,10 +75,15 @@ def _setup_cpu(small: bool):
                                " --xla_force_host_platform_device_count=8").strip()
 
 
-def _config(model: str, n_stages: int, even: bool = False):
+def _config(model: str, n_stages: int, even: bool = False, bf16: bool = False):
   config = _preset(model, n_stages, even)
   attention = os.environ.get("PIPER_BENCH_ATTENTION")  # set by --attention
-  return dataclasses.replace(config, attention=attention) if attention else config
+  if attention:
+    config = dataclasses.replace(config, attention=attention)
+  if bf16:  # parameters and optimizer states in bf16, as the PyTorch peer runs
+    import jax.numpy as jnp
+    config = dataclasses.replace(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  return config
 
 
 def _preset(model: str, n_stages: int, even: bool):
@@ -125,7 +133,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   ep = "ep" in mods
   pipe = parse_pipeline(base, zero)
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
-  config = _config(model, n_stages, even="even" in mods)
+  config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods)
   net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
   loss_fn = gpt.loss_fn(net)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
@@ -134,7 +142,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   tokens = batch * config.seq_len
   sim = {}
 
-  if variant == "shmap-dp":
+  if base == "shmap-dp":
     # Data parallel as a JAX user writes it with shard_map: each device runs the loss
     # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
     from jax import lax
@@ -154,16 +162,16 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
     p = jax.device_put(params, rep_sh)
     state = (p, jax.jit(tx.init, out_shardings=rep_sh)(p))
     batches = [jax.device_put(b, NamedSharding(mesh, P("d"))) for b in batches]
-  elif variant in BASELINES:
+  elif base in BASELINES:
     mesh = Mesh(np.array(devices), ("d",))
-    if variant == "jit-dp":
+    if base == "jit-dp":
       pspec = jax.tree_util.tree_map(lambda x: P(), params)
     else:
       pspec = jax.tree_util.tree_map(lambda x: _fsdp_spec(x, n), params)
     psh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), pspec)
     opt_shapes = jax.eval_shape(tx.init, params)
     osh = jax.tree_util.tree_map(
-        lambda s: NamedSharding(mesh, _fsdp_spec(s, n) if variant == "gspmd-fsdp" and s.ndim else P()),
+        lambda s: NamedSharding(mesh, _fsdp_spec(s, n) if base == "gspmd-fsdp" and s.ndim else P()),
         opt_shapes)
     bsh = NamedSharding(mesh, P("d"))
 
@@ -249,10 +257,11 @@ def _child(args, variant, model):
 
 def add_predictions(rows) -> None:
   """Simulator predictions in ms, calibrated with the plain DP row of the same model."""
-  dp = {r["model"]: r for r in rows if r["variant"] == "jit-dp" and "error" not in r}
+  ok = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
-    if "sim_makespan" in r and r["model"] in dp:
-      r["sim_ms"] = dp[r["model"]]["step_ms"] * r["sim_makespan"] / r["sim_work_per_rank"]
+    dp = ok.get((r["model"], BASELINE_OF(r["variant"])))
+    if "sim_makespan" in r and dp:
+      r["sim_ms"] = dp["step_ms"] * r["sim_makespan"] / r["sim_work_per_rank"]
 
 
 def table(rows, baseline_of=BASELINE_OF) -> str:
@@ -300,8 +309,8 @@ def main(argv=None):
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
     base, *mods = v.split("+")
-    if set(mods) - {"ep", "even"}:
-      raise ValueError(f"unknown suffix in {v!r}: use +ep and +even")
+    if set(mods) - {"ep", "even", "bf16"}:
+      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even and +bf16")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)

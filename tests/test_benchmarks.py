@@ -67,3 +67,12 @@ def test_profile_summary(tmp_path):
   assert "3 kernels over 0.4 ms: busy 0.2 ms (38%)" in text, text
   assert "largest idle gaps (us): 250" in text
   assert "gemm_#" in text and "other_gpu" not in text
+
+
+def test_baseline_of_each_variant():
+  sys.path.insert(0, ROOT)
+  from benchmarks.run import BASELINE_OF
+  assert BASELINE_OF("pp-1f1b@z3+even") == "jit-dp"
+  assert BASELINE_OF("zero3") == "gspmd-fsdp"
+  assert BASELINE_OF("zero1+bf16") == "jit-dp+bf16"  # pure bf16 against pure bf16
+  assert BASELINE_OF("jit-dp+bf16") == "jit-dp+bf16"
