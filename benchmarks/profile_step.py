@@ -60,9 +60,12 @@ def summarize(trace_path: str, top: int = 15) -> str:
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--variant", default="pp-1f1b")
+  ap.add_argument("--variant", default="pp-1f1b",
+                  help="a piper-jax variant of benchmarks/run.py (dp, zero3, pp-1f1b@z1+even, ...)")
   ap.add_argument("--model", default="268m")
+  ap.add_argument("--pp", type=int, default=2)
   ap.add_argument("--microbatches", type=int, default=8)
+  ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--steps", type=int, default=1)
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
@@ -70,20 +73,15 @@ def main():
   import optax
 
   import piper_jax as pj
-  from benchmarks.run import _config
+  from benchmarks.run import build
   from examples import gpt
 
-  n = len(jax.devices())
-  pipe = args.variant.startswith("pp-")
-  config = _config(args.model, 2 if pipe else 1)
-  net = gpt.GPT(config)
+  config, net, directives = build(args.variant, args.model, len(jax.devices()),
+                                  args.microbatches, args.pp)
+  if directives is None:
+    raise SystemExit(f"{args.variant} is a plain-JAX baseline; profile a piper-jax variant")
   params = gpt.init_params(net, jax.random.PRNGKey(0))
-  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 16)
-  if pipe:
-    directives = pj.strategies.pipeline(2, args.microbatches, schedule=args.variant[3:], dp=n // 2)
-  else:
-    zero = 0 if args.variant == "dp" else int(args.variant[-1])
-    directives = [pj.replicate({}, list(range(n)), zero=zero)]
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), args.batch)
   step = pj.compile(gpt.loss_fn(net), optax.adamw(1e-4), directives, params, batch)
   state = step.init(params)
   hlo = step.lower(state, batch).compile().as_text()
@@ -99,8 +97,9 @@ def main():
     for _ in range(args.steps):
       state, loss = step(state, batch)
     loss.block_until_ready()
-  for path in glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True):
-    print(summarize(path), flush=True)
+  newest = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+               key=os.path.getmtime)
+  print(summarize(newest), flush=True)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,12 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
 
 
-def BASELINE_OF(variant: str) -> str:
-  """The plain-JAX row a variant's ratio is taken against (the `+bf16` one for `+bf16`)."""
+def BASELINE_OF(variant: str, model: str = "") -> str:
+  """The plain-JAX row a variant's ratio is taken against (the `+bf16` one for `+bf16`;
+  `shmap-dp`, which routes per device, for MoE models)."""
   base, *mods = variant.split("+")
-  return _BASELINE.get(base.partition("@")[0], "jit-dp") + ("+bf16" if "bf16" in mods else "")
+  default = "shmap-dp" if model.startswith("moe-") else "jit-dp"
+  return _BASELINE.get(base.partition("@")[0], default) + ("+bf16" if "bf16" in mods else "")
 
 
 def parse_pipeline(variant: str, default_zero: int) -> tuple[str, int] | None:
@@ -114,6 +116,32 @@ def _fsdp_spec(x, n):
   return P()
 
 
+def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero: int = 0):
+  """(config, Flax model, piper-jax directives or None for a baseline) of a variant on n devices."""
+  import piper_jax as pj
+  from examples import gpt, moe
+
+  base, *mods = variant.split("+")
+  pipe = parse_pipeline(base, zero)
+  n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
+  config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods)
+  net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
+  if base in BASELINES:
+    return config, net, None
+  if pipe:
+    directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
+                                        zero=pipe[1])
+  else:
+    name, _, bucket = base.partition("@b")  # "dp@b25": 25 MB gradient buckets
+    if name not in PIPER[:4]:
+      raise ValueError(f"unknown variant {variant!r}")
+    directives = [pj.replicate({}, list(range(n)), zero=0 if name == "dp" else int(name[-1]),
+                               bucket_mb=float(bucket) if bucket else None)]
+  if "ep" in mods:  # experts split over each rank's data-parallel group
+    directives.append(pj.shard({"EP": "*"}, list(range(n))))
+  return config, net, directives
+
+
 def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
                 pp: int = 2, zero: int = 0):
   """Runs one variant in this process; returns its row."""
@@ -123,18 +151,12 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import piper_jax as pj
-  from examples import gpt
-
-  from examples import moe
+  from examples import gpt, moe
 
   devices = jax.devices()
   n = len(devices)
-  base, *mods = variant.split("+")
-  ep = "ep" in mods
-  pipe = parse_pipeline(base, zero)
-  n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
-  config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods)
-  net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
+  base = variant.split("+")[0]
+  config, net, directives = build(variant, model, n, microbatches, pp, zero)
   loss_fn = gpt.loss_fn(net)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
   tx = optax.adamw(1e-4, weight_decay=0.1)
@@ -188,20 +210,10 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
     batches = [jax.device_put(b, bsh) for b in batches]
     call = step_fn
   else:
-    if pipe:
-      directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
-                                          zero=pipe[1])
-    else:
-      name, _, bucket = base.partition("@b")  # "dp@b25": 25 MB gradient buckets
-      zero = 0 if name == "dp" else int(name[-1])
-      directives = [pj.replicate({}, list(range(n)), zero=zero,
-                                 bucket_mb=float(bucket) if bucket else None)]
-    if ep:  # experts split over each rank's data-parallel group
-      directives.append(pj.shard({"EP": "*"}, list(range(n))))
     step = pj.compile(loss_fn, tx, directives, params, batches[0])
     state = step.init(params)
     call = step
-    if pipe:
+    if base.startswith("pp-"):
       report = step.plan.simulate("flops")
       work = sum(t.cost for t in step.plan.tasks.values()) / step.plan.n_ranks
       sim = {"sim_makespan": report.makespan, "sim_work_per_rank": work,
@@ -259,13 +271,14 @@ def add_predictions(rows) -> None:
   """Simulator predictions in ms, calibrated with the plain DP row of the same model."""
   ok = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
-    dp = ok.get((r["model"], BASELINE_OF(r["variant"])))
+    dp = ok.get((r["model"], BASELINE_OF(r["variant"], r["model"])))
     if "sim_makespan" in r and dp:
       r["sim_ms"] = dp["step_ms"] * r["sim_makespan"] / r["sim_work_per_rank"]
 
 
 def table(rows, baseline_of=BASELINE_OF) -> str:
-  """A markdown table of result rows; `baseline_of(variant)` names the row each ratio is against."""
+  """A markdown table of result rows; `baseline_of(variant, model)` names the row each ratio
+  is against."""
   head = ("| model | variant | devices | step ms | sim ms | tok/s | vs baseline | MFU | peak GiB "
           "| compile s |")
   lines = [head, "|" + "---|" * 10]
@@ -274,7 +287,7 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
     if "error" in r:
       lines.append(f"| {r['model']} | {r['variant']} | | | | {r['error']} | | | | |")
       continue
-    name = baseline_of(r["variant"])
+    name = baseline_of(r["variant"], r["model"])
     b = base.get((r["model"], name))
     ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {name}" if b else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
@@ -311,6 +324,8 @@ def main(argv=None):
     base, *mods = v.split("+")
     if set(mods) - {"ep", "even", "bf16"}:
       raise ValueError(f"unknown suffix in {v!r}: use +ep, +even and +bf16")
+    if base in BASELINES and set(mods) - {"bf16"}:
+      raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)

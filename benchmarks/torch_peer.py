@@ -296,7 +296,7 @@ def table(rows) -> str:
   """The table of benchmarks/run.py, with every ratio against the DDP row."""
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from run import table as run_table
-  return run_table(rows, baseline_of=lambda variant: "ddp")
+  return run_table(rows, baseline_of=lambda variant, model: "ddp")
 
 
 def main(argv=None):

@@ -79,8 +79,11 @@ class GPTConfig:
   tp_axis: str | None = None
 
   def __post_init__(self):
+    if self.attention not in (None, "xla", "cudnn"):
+      raise ValueError(f"attention={self.attention!r}: use None, 'xla' or 'cudnn'")
     if self.stage_layers is not None:
       layers = tuple(self.stage_layers)
+      object.__setattr__(self, "stage_layers", layers)  # hashable, like the rest
       if (len(layers) != self.n_stages or min(layers, default=0) < 1
           or sum(layers) != self.n_layers):
         raise ValueError(
@@ -152,7 +155,8 @@ def attention_implementation(cfg: GPTConfig) -> str:
   # Regions under shard_tensor are evaluated piece by piece, primitive by primitive;
   # the cuDNN call has no such rule, XLA's attention does.
   plain = cfg.tp_axis is None
-  return "cudnn" if half and fits and plain and jax.default_backend() == "gpu" else "xla"
+  nvidia = jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind
+  return "cudnn" if half and fits and plain and nvidia else "xla"
 
 
 class CausalSelfAttention(nn.Module):
@@ -305,6 +309,7 @@ def balanced_stage_layers(config: GPTConfig, n_stages: int) -> tuple[int, ...]:
   last = max(1, min(L - n_stages + 1, round((L + head) / n_stages - head)))
   q, r = divmod(L - last, n_stages - 1)
   return tuple(q + (s < r) for s in range(n_stages - 1)) + (last,)
+
 
 def flops_per_token(config: GPTConfig) -> float:
   """Training FLOPs per token, for MFU.

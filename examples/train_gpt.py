@@ -6,8 +6,9 @@ Without a GPU it runs on 8 simulated CPU devices:
       --microbatches 4 --steps 6
 
 Strategies: dp, zero1, zero2, zero3 (data parallel over all devices, ZeRO level
-K) and pp-gpipe, pp-1f1b (`--stages` pipeline stages, `--microbatches`, times
-`--dp` data-parallel replicas with ZeRO level `--zero`).
+K) and pp-gpipe, pp-1f1b, pp-zb, pp-interleaved, pp-dualpipev (`--stages` pipeline
+stages, two per device for interleaved and DualPipeV, `--microbatches`, times `--dp`
+data-parallel replicas with ZeRO level `--zero`).
 """
 
 from __future__ import annotations
@@ -149,9 +150,12 @@ def _base_strategy(args, n_devices: int):
     raise UsageError(
         f"--batch {args.batch} must be divisible by --dp {args.dp} x "
         f"--microbatches {args.microbatches}")
-  directives = pj.strategies.pipeline(
-      args.stages, args.microbatches, schedule=schedule, dp=args.dp,
-      zero=args.zero)
+  try:
+    directives = pj.strategies.pipeline(
+        args.stages, args.microbatches, schedule=schedule, dp=args.dp,
+        zero=args.zero)
+  except ValueError as e:  # e.g. microbatches the schedule cannot use
+    raise UsageError(f"--strategy {args.strategy}: {e}") from e
   return directives, n_used, args.stages
 
 

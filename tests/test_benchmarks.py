@@ -76,3 +76,4 @@ def test_baseline_of_each_variant():
   assert BASELINE_OF("zero3") == "gspmd-fsdp"
   assert BASELINE_OF("zero1+bf16") == "jit-dp+bf16"  # pure bf16 against pure bf16
   assert BASELINE_OF("jit-dp+bf16") == "jit-dp+bf16"
+  assert BASELINE_OF("dp+ep", "moe-1b") == "shmap-dp"  # routes per device, as piper does
