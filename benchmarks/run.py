@@ -246,7 +246,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
           "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": mfu,
           "peak_gib": peak / 2**30 if peak else None, "compile_s": max(first - step_s, 0.0),
-          "loss": float(loss), **sim}
+          "loss": float(loss), "attention": gpt.attention_implementation(config),
+          "stage_layers": [e - b for b, e in config.stage_bounds], **sim}
 
 
 def _child(args, variant, model):
