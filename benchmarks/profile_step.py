@@ -67,6 +67,7 @@ def main():
   ap.add_argument("--microbatches", type=int, default=8)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--steps", type=int, default=1)
+  ap.add_argument("--attention", default=None, choices=["xla", "cudnn"])
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   import jax
@@ -77,7 +78,7 @@ def main():
   from examples import gpt
 
   config, net, directives = build(args.variant, args.model, len(jax.devices()),
-                                  args.microbatches, args.pp)
+                                  args.microbatches, args.pp, attention=args.attention)
   if directives is None:
     raise SystemExit(f"{args.variant} is a plain-JAX baseline; profile a piper-jax variant")
   params = gpt.init_params(net, jax.random.PRNGKey(0))

@@ -77,9 +77,9 @@ def _setup_cpu(small: bool):
                                " --xla_force_host_platform_device_count=8").strip()
 
 
-def _config(model: str, n_stages: int, even: bool = False, bf16: bool = False):
+def _config(model: str, n_stages: int, even: bool = False, bf16: bool = False,
+            attention: str | None = None):
   config = _preset(model, n_stages, even)
-  attention = os.environ.get("PIPER_BENCH_ATTENTION")  # set by --attention
   if attention:
     config = dataclasses.replace(config, attention=attention)
   if bf16:  # parameters and optimizer states in bf16, as the PyTorch peer runs
@@ -102,8 +102,7 @@ def _preset(model: str, n_stages: int, even: bool):
   config = gpt.get_config(model, n_stages=n_stages, **kw)
   if even or n_stages == 1:
     return config
-  return gpt.get_config(model, n_stages=n_stages,
-                        stage_layers=gpt.balanced_stage_layers(config, n_stages), **kw)
+  return dataclasses.replace(config, stage_layers=gpt.balanced_stage_layers(config, n_stages))
 
 
 def _fsdp_spec(x, n):
@@ -116,7 +115,8 @@ def _fsdp_spec(x, n):
   return P()
 
 
-def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero: int = 0):
+def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero: int = 0,
+          attention: str | None = None):
   """(config, Flax model, piper-jax directives or None for a baseline) of a variant on n devices."""
   import piper_jax as pj
   from examples import gpt, moe
@@ -124,7 +124,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   base, *mods = variant.split("+")
   pipe = parse_pipeline(base, zero)
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
-  config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods)
+  config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods, attention=attention)
   net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
   if base in BASELINES:
     return config, net, None
@@ -143,7 +143,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
 
 
 def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
-                pp: int = 2, zero: int = 0):
+                pp: int = 2, zero: int = 0, attention: str | None = None):
   """Runs one variant in this process; returns its row."""
   import jax
   import numpy as np
@@ -156,7 +156,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   devices = jax.devices()
   n = len(devices)
   base = variant.split("+")[0]
-  config, net, directives = build(variant, model, n, microbatches, pp, zero)
+  config, net, directives = build(variant, model, n, microbatches, pp, zero, attention)
   loss_fn = gpt.loss_fn(net)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
   tx = optax.adamw(1e-4, weight_decay=0.1)
@@ -164,20 +164,19 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   tokens = batch * config.seq_len
   sim = {}
 
+  def train_step(state, b, mean=lambda x: x):
+    p, o = state
+    loss, grads = mean(jax.value_and_grad(loss_fn)(p, b))
+    updates, o = tx.update(grads, o, p)
+    return (optax.apply_updates(p, updates), o), loss
+
   if base == "shmap-dp":
     # Data parallel as a JAX user writes it with shard_map: each device runs the loss
     # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
     from jax import lax
     from piper_jax.lowering.compat import shard_map
     mesh = Mesh(np.array(devices), ("d",))
-
-    def local_step(state, b):
-      p, o = state
-      loss, grads = jax.value_and_grad(loss_fn)(p, b)
-      grads, loss = lax.pmean((grads, loss), "d")
-      updates, o = tx.update(grads, o, p)
-      return (optax.apply_updates(p, updates), o), loss
-
+    local_step = lambda state, b: train_step(state, b, mean=lambda x: lax.pmean(x, "d"))
     call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
                    donate_argnums=0)
     rep_sh = NamedSharding(mesh, P())
@@ -196,13 +195,6 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
         lambda s: NamedSharding(mesh, _fsdp_spec(s, n) if base == "gspmd-fsdp" and s.ndim else P()),
         opt_shapes)
     bsh = NamedSharding(mesh, P("d"))
-
-    def train_step(state, b):
-      p, o = state
-      loss, grads = jax.value_and_grad(loss_fn)(p, b)
-      updates, o = tx.update(grads, o, p)
-      return (optax.apply_updates(p, updates), o), loss
-
     step_fn = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
                       donate_argnums=0)
     p = jax.device_put(params, psh)
@@ -255,6 +247,7 @@ def _child(args, variant, model):
          "--batch", str(args.batch), "--microbatches", str(args.microbatches),
          "--steps", str(args.steps), "--warmup", str(args.warmup), "--pp", str(args.pp),
          "--zero", str(args.zero)] + (["--small"] if args.small else [])
+  cmd += ["--attention", args.attention] if args.attention else []
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   t0 = time.time()
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -330,12 +323,10 @@ def main(argv=None):
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)
-  if args.attention:
-    os.environ["PIPER_BENCH_ATTENTION"] = args.attention  # children inherit it
   if args.child:
     sys.path.insert(0, ROOT)
     row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,
-                      args.pp, args.zero)
+                      args.pp, args.zero, args.attention)
     print("ROW " + json.dumps(row), flush=True)
     return row
   rows = []
