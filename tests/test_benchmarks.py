@@ -77,3 +77,12 @@ def test_baseline_of_each_variant():
   assert BASELINE_OF("zero1+bf16") == "jit-dp+bf16"  # pure bf16 against pure bf16
   assert BASELINE_OF("jit-dp+bf16") == "jit-dp+bf16"
   assert BASELINE_OF("dp+ep", "moe-1b") == "shmap-dp"  # routes per device, as piper does
+
+
+@pytest.mark.parametrize("variant,match", [("jit-dp+ep", "baselines take only \\+bf16"),
+                                           ("dp+fast", "unknown suffix")])
+def test_bad_variants_are_reported_before_running(variant, match):
+  sys.path.insert(0, ROOT)
+  from benchmarks.run import main
+  with pytest.raises(ValueError, match=match):
+    main(["--small", "--variants", variant])

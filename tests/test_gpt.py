@@ -58,6 +58,8 @@ def test_attention_implementation():
   assert gpt.attention_implementation(gpt.get_config("268m")) == "xla"  # fp32
   assert gpt.attention_implementation(dataclasses.replace(bf16, tp_axis="tp")) == "xla"
   assert gpt.attention_implementation(dataclasses.replace(bf16, attention="cudnn")) == "cudnn"
+  with pytest.raises(ValueError, match="attention='flash': use None, 'xla' or 'cudnn'"):
+    dataclasses.replace(bf16, attention="flash")
 
 
 def test_gpt_tied_embeddings_gpipe(monkeypatch):
