@@ -2,8 +2,8 @@
 
   python benchmarks/profile_step.py --variant pp-1f1b --model 268m --out DIR
 
-Writes the optimized HLO and a jax.profiler trace (with a Perfetto JSON) under DIR
-and prints, for the first GPU: the wall time of the profiled steps, the time some
+Writes a jax.profiler trace (with a Perfetto JSON; with --hlo, the optimized HLO)
+under DIR and prints, for the first GPU: the wall time of the profiled steps, the time some
 kernel ran (busy), the largest idle gaps, and the kernels that took the most time,
 grouped by name with digits removed.
 """
@@ -22,8 +22,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def summarize(trace_path: str, top: int = 15) -> str:
-  """A text summary of the first GPU's kernels in a Perfetto JSON trace."""
+def summarize(trace_path: str, top: int = 15, named: int = 0) -> str:
+  """A text summary of the first GPU's kernels in a Perfetto JSON trace.
+
+  Kernels are grouped by name with digits removed (`top` groups); `named` more lines
+  list single kernel names (as the optimized HLO names its fusions) by total time.
+  """
   with gzip.open(trace_path, "rt") as f:
     events = json.load(f)["traceEvents"]
   gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -55,52 +59,55 @@ def summarize(trace_path: str, top: int = 15) -> str:
            f"{sum(g > 50 for g in gaps)}"]
   for name, (dur, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
     lines.append(f"  {dur / 1e3:8.1f} ms {100 * dur / busy:5.1f}% x{count:<6d} {name}")
+  if named:
+    exact = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+      exact[e["name"][:70]][0] += e["dur"]
+      exact[e["name"][:70]][1] += 1
+    lines.append("by kernel name:")
+    for name, (dur, count) in sorted(exact.items(), key=lambda kv: -kv[1][0])[:named]:
+      lines.append(f"  {dur / 1e3:8.1f} ms x{count:<6d} {name}")
   return "\n".join(lines)
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--variant", default="pp-1f1b",
-                  help="a piper-jax variant of benchmarks/run.py (dp, zero3, pp-1f1b@z1+even, ...)")
+                  help="a variant of benchmarks/run.py (jit-dp, dp, zero3, pp-1f1b@z1+even, ...)")
   ap.add_argument("--model", default="268m")
   ap.add_argument("--pp", type=int, default=2)
   ap.add_argument("--microbatches", type=int, default=8)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--steps", type=int, default=1)
   ap.add_argument("--attention", default=None, choices=["xla", "cudnn"])
+  ap.add_argument("--hlo", action="store_true", help="also write the optimized HLO")
+  ap.add_argument("--named", type=int, default=0, help="also list this many kernels by exact name")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   import jax
-  import optax
 
-  import piper_jax as pj
-  from benchmarks.run import build
-  from examples import gpt
+  from benchmarks.run import make_step
 
-  config, net, directives = build(args.variant, args.model, len(jax.devices()),
-                                  args.microbatches, args.pp, attention=args.attention)
-  if directives is None:
-    raise SystemExit(f"{args.variant} is a plain-JAX baseline; profile a piper-jax variant")
-  params = gpt.init_params(net, jax.random.PRNGKey(0))
-  batch = gpt.random_batch(config, jax.random.PRNGKey(1), args.batch)
-  step = pj.compile(gpt.loss_fn(net), optax.adamw(1e-4), directives, params, batch)
-  state = step.init(params)
-  hlo = step.lower(state, batch).compile().as_text()
+  call, state, batches, _, _ = make_step(args.variant, args.model, args.batch, args.microbatches,
+                                         args.pp, attention=args.attention)
+  batch = batches[0]
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
-    f.write(hlo)
-  print("conditionals in optimized HLO:", hlo.count(" conditional("), flush=True)
+  if args.hlo:  # a second compilation: jit's call cache does not hold the lowered one
+    hlo = call.lower(state, batch).compile().as_text()
+    with gzip.open(os.path.join(args.out, "step.hlo.txt.gz"), "wt") as f:
+      f.write(hlo)
+    print("conditionals in optimized HLO:", hlo.count(" conditional("), flush=True)
   for _ in range(2):
-    state, loss = step(state, batch)
+    state, loss = call(state, batch)
   loss.block_until_ready()
   trace_dir = os.path.join(args.out, "trace")
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for _ in range(args.steps):
-      state, loss = step(state, batch)
+      state, loss = call(state, batch)
     loss.block_until_ready()
   newest = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
                key=os.path.getmtime)
-  print(summarize(newest), flush=True)
+  print(summarize(newest, named=args.named), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ experts are split over each rank's data-parallel devices. The dense GPT's pipeli
 stages get `gpt.balanced_stage_layers` blocks each (the last stage fewer, for the
 head and the loss); a `+even` suffix splits the blocks equally instead. A `+bf16` suffix
 keeps parameters and optimizer states in bf16 (the PyTorch peer's setting; fp32 master
-weights otherwise) and takes its ratio against `jit-dp+bf16`.
+weights otherwise) and takes its ratio against `jit-dp+bf16`. A `+rbf16` suffix reduces
+the data-parallel gradients in bf16 (`replicate(reduce_dtype="bfloat16")`), as plain
+jit DP does with a bf16-compute model: its all-reduce runs on the bf16 gradient of
+the matmul, before the convert to the fp32 parameter's dtype.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -128,30 +131,36 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
   if base in BASELINES:
     return config, net, None
+  reduce_dtype = "bfloat16" if "rbf16" in mods else None
   if pipe:
     directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
-                                        zero=pipe[1])
+                                        zero=pipe[1], reduce_dtype=reduce_dtype)
   else:
     name, _, bucket = base.partition("@b")  # "dp@b25": 25 MB gradient buckets
     if name not in PIPER[:4]:
       raise ValueError(f"unknown variant {variant!r}")
     directives = [pj.replicate({}, list(range(n)), zero=0 if name == "dp" else int(name[-1]),
-                               bucket_mb=float(bucket) if bucket else None)]
+                               bucket_mb=float(bucket) if bucket else None,
+                               reduce_dtype=reduce_dtype)]
   if "ep" in mods:  # experts split over each rank's data-parallel group
     directives.append(pj.shard({"EP": "*"}, list(range(n))))
   return config, net, directives
 
 
-def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
-                pp: int = 2, zero: int = 0, attention: str | None = None):
-  """Runs one variant in this process; returns its row."""
+def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
+              zero: int = 0, attention: str | None = None):
+  """Builds one variant's training step on this process's devices.
+
+  Returns (call, state, batches, config, sim): `call(state, batch) -> (state, loss)`,
+  four random global batches, and the simulator's prediction for pipelines.
+  """
   import jax
   import numpy as np
   import optax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import piper_jax as pj
-  from examples import gpt, moe
+  from examples import gpt
 
   devices = jax.devices()
   n = len(devices)
@@ -161,7 +170,6 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   params = gpt.init_params(net, jax.random.PRNGKey(0))
   tx = optax.adamw(1e-4, weight_decay=0.1)
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
-  tokens = batch * config.seq_len
   sim = {}
 
   def train_step(state, b, mean=lambda x: x):
@@ -195,22 +203,35 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
         lambda s: NamedSharding(mesh, _fsdp_spec(s, n) if base == "gspmd-fsdp" and s.ndim else P()),
         opt_shapes)
     bsh = NamedSharding(mesh, P("d"))
-    step_fn = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
-                      donate_argnums=0)
+    call = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
+                   donate_argnums=0)
     p = jax.device_put(params, psh)
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
-    call = step_fn
   else:
-    step = pj.compile(loss_fn, tx, directives, params, batches[0])
-    state = step.init(params)
-    call = step
+    call = pj.compile(loss_fn, tx, directives, params, batches[0])
+    state = call.init(params)
     if base.startswith("pp-"):
-      report = step.plan.simulate("flops")
-      work = sum(t.cost for t in step.plan.tasks.values()) / step.plan.n_ranks
+      report = call.plan.simulate("flops")
+      work = sum(t.cost for t in call.plan.tasks.values()) / call.plan.n_ranks
       sim = {"sim_makespan": report.makespan, "sim_work_per_rank": work,
              "sim_bubble": report.bubble_fraction}
-  del params
+  return call, state, batches, config, sim
+
+
+def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
+                pp: int = 2, zero: int = 0, attention: str | None = None):
+  """Runs one variant in this process; returns its row."""
+  import jax
+  import numpy as np
+
+  from examples import gpt, moe
+
+  devices = jax.devices()
+  n = len(devices)
+  call, state, batches, config, sim = make_step(variant, model, batch, microbatches, pp, zero,
+                                                attention)
+  tokens = batch * config.seq_len
 
   t0 = time.perf_counter()
   state, loss = call(state, batches[0])
@@ -316,8 +337,8 @@ def main(argv=None):
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
     base, *mods = v.split("+")
-    if set(mods) - {"ep", "even", "bf16"}:
-      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even and +bf16")
+    if set(mods) - {"ep", "even", "bf16", "rbf16"}:
+      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even, +bf16 and +rbf16")
     if base in BASELINES and set(mods) - {"bf16"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:

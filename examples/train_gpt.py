@@ -92,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="split the experts over each stage's data-parallel devices (pj.shard)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (parameters stay float32)")
+  p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
+                 help="dtype of the data-parallel gradient reductions (default: the parameters')")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data", default="stdlib",
@@ -131,7 +133,8 @@ def _base_strategy(args, n_devices: int):
       raise UsageError(
           f"--batch {args.batch} must be divisible by the {n_devices} devices "
           f"of data parallelism")
-    return pj.strategies.data_parallel(n_devices, zero=zero), n_devices, 1
+    return (pj.strategies.data_parallel(n_devices, zero=zero, reduce_dtype=args.reduce_dtype),
+            n_devices, 1)
 
   schedule = args.strategy[len("pp-"):]
   # Interleaved and DualPipeV hold two stages per pipeline rank.
@@ -153,7 +156,7 @@ def _base_strategy(args, n_devices: int):
   try:
     directives = pj.strategies.pipeline(
         args.stages, args.microbatches, schedule=schedule, dp=args.dp,
-        zero=args.zero)
+        zero=args.zero, reduce_dtype=args.reduce_dtype)
   except ValueError as e:  # e.g. microbatches the schedule cannot use
     raise UsageError(f"--strategy {args.strategy}: {e}") from e
   return directives, n_used, args.stages

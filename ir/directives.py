@@ -18,6 +18,8 @@ FilterValue = Union[int, str]
 # A filter is stored frozen as sorted (tag, value) pairs; users write dicts.
 Filter = tuple[tuple[str, FilterValue], ...]
 PASSES = ("F", "B", "BI", "BW")
+# Dtypes a data-parallel gradient reduction may run in (`replicate(reduce_dtype=...)`).
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def freeze_filter(spec: Mapping[str, FilterValue] | Filter | None) -> Filter:
@@ -105,11 +107,12 @@ class Replicate(Directive):
   bucket_mb: float | None = None
   reduce_stream: str | None = None
   gather_stream: str | None = None
+  reduce_dtype: str | None = None
   op = "replicate"
 
   def to_json(self):
     out = {"op": "replicate", "filter": _filter_json(self.filter), "devices": list(self.devices)}
-    for key in ("reduce_stream", "gather_stream"):
+    for key in ("reduce_stream", "gather_stream", "reduce_dtype"):
       if getattr(self, key) is not None:
         out[key] = getattr(self, key)
     if self.zero == 1:
@@ -126,7 +129,8 @@ class Replicate(Directive):
   def _from_json(cls, o):
     zero = 3 if o.get("shard_params") else 2 if o.get("shard_grads") else int(o.get("zero", 0))
     return replicate(o.get("filter", {}), o["devices"], zero=zero, bucket_mb=o.get("bucket_size"),
-                     reduce_stream=o.get("reduce_stream"), gather_stream=o.get("gather_stream"))
+                     reduce_stream=o.get("reduce_stream"), gather_stream=o.get("gather_stream"),
+                     reduce_dtype=o.get("reduce_dtype"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,14 +209,24 @@ def place(filter, devices, stream=None) -> Place:
 
 
 def replicate(filter, devices, zero=0, bucket_mb=None, reduce_stream=None,
-              gather_stream=None) -> Replicate:
-  """Replicates the matched regions over `devices` (data parallel) with ZeRO `zero` in 0..3."""
+              gather_stream=None, reduce_dtype=None) -> Replicate:
+  """Replicates the matched regions over `devices` (data parallel) with ZeRO `zero` in 0..3.
+
+  `reduce_dtype` ("bfloat16", "float16" or "float32"; default: the parameter's dtype)
+  is the dtype gradients are cast to for their reduction over `devices`, as PyTorch
+  FSDP's `reduce_dtype`: bf16 halves the bytes and rounds each replica's gradient.
+  """
   if zero not in (0, 1, 2, 3):
     raise ValueError(f"replicate zero must be 0, 1, 2 or 3, got {zero!r}")
   if bucket_mb is not None and not bucket_mb > 0:
     raise ValueError(f"replicate bucket_mb must be > 0, got {bucket_mb!r}")
+  if reduce_dtype is not None:
+    reduce_dtype = getattr(reduce_dtype, "name", None) or getattr(reduce_dtype, "__name__", reduce_dtype)
+    if reduce_dtype not in REDUCE_DTYPES:
+      raise ValueError(f"replicate reduce_dtype must be one of {list(REDUCE_DTYPES)} or None, "
+                       f"got {reduce_dtype!r}")
   return Replicate(freeze_filter(filter), _devices(devices), zero, bucket_mb, reduce_stream,
-                   gather_stream)
+                   gather_stream, reduce_dtype)
 
 
 def shard(filter, devices) -> Shard:

@@ -106,4 +106,12 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
     i = next(i for i, d in enumerate(directives) if isinstance(d, Replicate) and d.bucket_mb)
     raise DirectiveError(f"replicate directives ask for different bucket sizes {sorted(buckets)}; "
                          f"use one bucket_mb", i, directives[i])
-  return Plan(graph, model, mesh, n_mb, bucket_mb=buckets.pop() if buckets else None)
+  dtypes = {d.reduce_dtype for d in directives if isinstance(d, Replicate)}
+  if len(dtypes) > 1:
+    i = next(i for i, d in enumerate(directives)
+             if isinstance(d, Replicate) and d.reduce_dtype is not None)
+    raise DirectiveError(f"replicate directives ask for different gradient reduction dtypes "
+                         f"{sorted(map(str, dtypes))}; give every replicate the same reduce_dtype",
+                         i, directives[i])
+  return Plan(graph, model, mesh, n_mb, bucket_mb=buckets.pop() if buckets else None,
+              reduce_dtype=dtypes.pop() if dtypes else None)

@@ -125,14 +125,17 @@ class Plan:
 
   `ticks[t][rank]` lists the tasks rank `rank` runs in tick `t`, in order.
   `bucket_mb` (from replicate) asks for data-parallel gradient reductions in buckets
-  of that size, issued as soon as their gradients are final.
+  of that size, issued as soon as their gradients are final; `reduce_dtype` for
+  those reductions in that dtype.
   """
 
   def __init__(self, graph: Graph, model: ModelSpec, mesh: MeshSpec, n_microbatches: int,
-               pass_costs: Mapping[str, float] | None = None, bucket_mb: float | None = None):
+               pass_costs: Mapping[str, float] | None = None, bucket_mb: float | None = None,
+               reduce_dtype: str | None = None):
     self.graph, self.model, self.mesh = graph, model, mesh
     self.n_microbatches = n_microbatches
     self.bucket_mb = bucket_mb
+    self.reduce_dtype = reduce_dtype
     pass_costs = dict(pass_costs or {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0})
     order = _compute_order(graph)
     rank = {n.id: mesh.region_rank[n.region] for n in order}

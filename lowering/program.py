@@ -263,20 +263,30 @@ class Program:
         split_acc[pos] = grads.pop(pos)
       if zero >= 2 and grads:
         for key, x in self._assemble(grads).items():
-          x = lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+          x = self._grad_collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
           acc[key] = acc[key] + x if key in acc else x
       else:
         acc.update(grads)
         for bucket in self.buckets.get(tick_i, []):
           # One all-reduce of several arrays as soon as they are final, which XLA
           # can overlap with the backward work that follows.
-          for pos, x in zip(bucket, lax.psum(tuple(acc[p] for p in bucket), axes)):
-            acc[pos] = x
+          summed = self._grad_collective(lax.psum, tuple(acc[p] for p in bucket), axes)
+          acc.update(zip(bucket, summed))
     if zero < 2:
       acc = self._assemble(acc) if acc else {}
     out = self._finish_grads(acc)
     out["split"] = self._finish_split(split_acc)
     return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
+
+  def _grad_collective(self, op, x, *args, **kwargs):
+    """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
+    tuple), run in the plan's `reduce_dtype` where it has one."""
+    dt = self.plan.reduce_dtype
+    if dt is None:
+      return op(x, *args, **kwargs)
+    cast = lambda t, to: t.astype(to) if jnp.issubdtype(t.dtype, jnp.floating) else t
+    out = op(jax.tree_util.tree_map(lambda t: cast(t, dt), x), *args, **kwargs)
+    return jax.tree_util.tree_map(lambda t, ref: cast(t, ref.dtype), out, x)
 
   def _split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
     """Split weights' pieces for a tick that reads parameters `read`; under ZeRO-3 those
@@ -307,9 +317,9 @@ class Program:
       axes, copies = layout.copies[kind]
       d = layout.split_zero_dim(k) if layout.zero >= 1 else None
       if d is not None:
-        g = lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+        g = self._grad_collective(lax.psum_scatter, g, axes, scatter_dimension=d, tiled=True)
       elif copies > 1:
-        g = lax.psum(g, axes)
+        g = self._grad_collective(lax.psum, g, axes)
       out.append(g[None, None])
     return out
 
@@ -485,8 +495,9 @@ class Program:
     if g is None:
       g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
     if zero == 0:
-      g = g if self.buckets else lax.psum(g, axes)  # buckets were all-reduced already
+      g = g if self.buckets else self._grad_collective(lax.psum, g, axes)  # buckets: done
       return g.reshape(n_dp, chunk)
     if zero == 1:
-      return lax.psum_scatter(g, axes, scatter_dimension=0, tiled=True).reshape(1, chunk)
+      g = self._grad_collective(lax.psum_scatter, g, axes, scatter_dimension=0, tiled=True)
+      return g.reshape(1, chunk)
     return g.reshape(1, chunk)

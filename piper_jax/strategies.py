@@ -10,15 +10,16 @@ __all__ = ["data_parallel", "pipeline"]
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 
 
-def data_parallel(n_devices: int, zero: int = 0) -> list[Directive]:
-  """Replicates the whole model over devices 0..n_devices-1 with ZeRO stage `zero`."""
+def data_parallel(n_devices: int, zero: int = 0, reduce_dtype: str | None = None) -> list[Directive]:
+  """Replicates the whole model over devices 0..n_devices-1 with ZeRO stage `zero`
+  (gradients reduced in `reduce_dtype`, see `replicate`)."""
   if n_devices < 1:
     raise ValueError(f"n_devices must be >= 1, got {n_devices}")
-  return [replicate({}, list(range(n_devices)), zero=zero)]
+  return [replicate({}, list(range(n_devices)), zero=zero, reduce_dtype=reduce_dtype)]
 
 
 def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int = 1,
-             zero: int = 0, n_virtual: int = 2) -> list[Directive]:
+             zero: int = 0, n_virtual: int = 2, reduce_dtype: str | None = None) -> list[Directive]:
   """A pipeline of `n_stages` PP regions, optionally data parallel, as directives.
 
   Pipeline rank k of DP replica r runs on device r * n_ranks + k. Stage s sits on
@@ -33,6 +34,7 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
     dp: data-parallel replicas of every stage.
     zero: ZeRO stage of the DP axis.
     n_virtual: stages per rank for "interleaved".
+    reduce_dtype: dtype of the DP gradient reductions (see `replicate`).
   """
   if schedule not in _SCHEDULES:
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(_SCHEDULES)}")
@@ -62,5 +64,5 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
     if dp == 1:
       out.append(place({"PP": s}, devices))
     else:
-      out.append(replicate({"PP": s}, devices, zero=zero))
+      out.append(replicate({"PP": s}, devices, zero=zero, reduce_dtype=reduce_dtype))
   return out + orders

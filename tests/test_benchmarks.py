@@ -67,6 +67,7 @@ def test_profile_summary(tmp_path):
   assert "3 kernels over 0.4 ms: busy 0.2 ms (38%)" in text, text
   assert "largest idle gaps (us): 250" in text
   assert "gemm_#" in text and "other_gpu" not in text
+  assert "100.0 ms" not in text and "0.1 ms x1      gemm_12" in summarize(str(path), named=3)
 
 
 def test_baseline_of_each_variant():

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.timeout(30)
 def test_json_round_trip(tmp_path):
   ds = [pj.split(4), pj.place({"PP": 0}, [0], stream="s0"),
         pj.replicate({"PP": "*"}, [0, 1], zero=1, bucket_mb=25),
-        pj.replicate({"PP": 1}, [2, 3], zero=2), pj.replicate({"PP": 2}, [4, 5], zero=3),
+        pj.replicate({"PP": 1}, [2, 3], zero=2, reduce_dtype="bfloat16"),
+        pj.replicate({"PP": 2}, [4, 5], zero=3),
         pj.shard({"EP": "*"}, [0, 1]), pj.shard_tensor({"PP": 0}, [0, 1], axis="tp"),
         pj.order([[{"PP": 0, "PASS": "F", "MB": 0}, {"PP": 0, "PASS": "B", "MB": 1}],
                   {"PP": 0, "PASS": "B", "MB": 0}])]
@@ -21,6 +22,13 @@ def test_json_round_trip(tmp_path):
   again = pj.load_directives(str(path))
   assert again == ds
   assert pj.dump_directives(again) == json.loads(path.read_text())
+
+
+def test_reduce_dtype_values():
+  import jax.numpy as jnp
+  assert pj.replicate({}, [0, 1], reduce_dtype=jnp.bfloat16).reduce_dtype == "bfloat16"
+  with pytest.raises(ValueError, match="reduce_dtype must be one of"):
+    pj.replicate({}, [0, 1], reduce_dtype="int8")
 
 
 def test_piper_keys_map_to_zero():

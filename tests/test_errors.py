@@ -121,6 +121,11 @@ def test_annotation_inside_a_transformed_function():
     pj.compile(loss, optimizer(), [pj.place({}, [0])], params, random_batch(jax.random.PRNGKey(0), 8))
 
 
+def test_different_reduce_dtypes():
+  d = [pj.replicate({"PP": 0}, [0, 2], reduce_dtype="bfloat16"), pj.replicate({"PP": 1}, [1, 3])]
+  _raises(d, r"directive 0 ", "different gradient reduction dtypes", "same reduce_dtype")
+
+
 def test_different_bucket_sizes():
   d = [pj.replicate({"PP": 0}, [0, 2], bucket_mb=10), pj.replicate({"PP": 1}, [1, 3], bucket_mb=20)]
   _raises(d, r"directive 0 ", "different bucket sizes \\[10, 20\\]", "one bucket_mb")

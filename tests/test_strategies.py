@@ -3,10 +3,13 @@
 import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import piper_jax as pj
-from models import assert_same_run, init_mlp, mlp_loss
+from models import assert_same_run, init_mlp, mlp_loss, piper_run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -170,3 +173,53 @@ def test_bucketed_gradient_reduction(n_stages):
 def _batch():
   from models import random_batch
   return random_batch(jax.random.PRNGKey(0), 16)
+
+
+def _bf16_reduced_grads(loss, params, batch, n_dp):
+  """Each replica's gradient (of its rows' mean, over n_dp) rounded to bf16, summed in bf16."""
+  rows = len(batch["y"]) // n_dp
+  parts = [jax.grad(loss)(params, jax.tree_util.tree_map(lambda x: x[r * rows:(r + 1) * rows], batch))
+           for r in range(n_dp)]
+  total = None
+  for g in parts:
+    g = jax.tree_util.tree_map(lambda x: (x / n_dp).astype(jnp.bfloat16), g)
+    total = g if total is None else jax.tree_util.tree_map(jnp.add, total, g)
+  return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), total)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_reduce_dtype_bf16(zero):
+  # replicate(reduce_dtype="bfloat16"): every replica's gradient is rounded to bf16 and
+  # the sum is taken in bf16 - what reducing per-replica jax.grad results so gives.
+  loss, params = _mlp(2)
+  batch = _batch()
+  directives = pj.strategies.data_parallel(2, zero=zero, reduce_dtype="bfloat16")
+  _, sgd_params, step, state = piper_run(loss, params, [batch], optax.sgd(1.0), directives,
+                                         devices=jax.devices()[:2])
+  want = _bf16_reduced_grads(loss, params, batch, 2)
+  exact = jax.grad(loss)(params, batch)
+  for p, q, g, e in zip(*map(jax.tree_util.tree_leaves, (params, sgd_params, want, exact))):
+    got = np.asarray(p - q)
+    # Rounded like the reference (one bf16 step apart where fp32 noise crosses a
+    # rounding boundary), and not the fp32 sum.
+    step_ = np.abs(np.asarray(g)) * 2.0**-7 + 1e-6
+    assert np.all(np.abs(got - g) <= step_), (got, g)
+    assert np.mean(np.abs(got - g) <= 1e-6 + 1e-5 * np.abs(g)) > 0.95
+  assert not all(np.allclose(np.asarray(p - q), np.asarray(e), rtol=1e-6, atol=0)
+                 for p, q, e in zip(*map(jax.tree_util.tree_leaves, (params, sgd_params, exact))))
+  assert "bf16" in step.lower(state, batch).as_text()
+
+
+def test_reduce_dtype_bf16_pipeline_zero2():
+  # Per-tick reduce-scatters (ZeRO-2) under 1F1B x DP 4 run in bf16 too.
+  loss, params = _mlp(2)
+  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=4, zero=2, reduce_dtype="bfloat16")
+  batch = _batch()
+  _, sgd_params, step, state = piper_run(loss, params, [batch], optax.sgd(1.0), directives)
+  exact = jax.grad(loss)(params, batch)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(exact))
+  for p, q, e in zip(*map(jax.tree_util.tree_leaves, (params, sgd_params, exact))):
+    # bf16 rounds each microbatch's per-replica gradient: an absolute error of a few
+    # bf16 steps of the largest gradient, where replicas' gradients cancel.
+    np.testing.assert_allclose(np.asarray(p - q), np.asarray(e), rtol=1e-2, atol=2**-7 * scale)
+  assert step.plan.reduce_dtype == "bfloat16" and "bf16" in step.lower(state, batch).as_text()
