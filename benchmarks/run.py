@@ -240,10 +240,11 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   for i in range(warmup):
     state, loss = call(state, batches[(i + 1) % len(batches)])
   loss.block_until_ready()
-  times = []
+  times, dispatch = [], []
   for i in range(steps):
     t0 = time.perf_counter()
     state, loss = call(state, batches[i % len(batches)])
+    dispatch.append(time.perf_counter() - t0)  # until the call returns, before the GPU ends
     loss.block_until_ready()
     times.append(time.perf_counter() - t0)
   step_s = float(np.median(times))
@@ -257,7 +258,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   fpt = (moe.flops_per_token if model.startswith("moe-") else gpt.flops_per_token)(config)
   mfu = fpt * tps / (n * peak_flops) if peak_flops else None
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
-          "step_ms": step_s * 1e3, "tokens_per_s": tps, "mfu": mfu,
+          "step_ms": step_s * 1e3, "dispatch_ms": float(np.median(dispatch)) * 1e3,
+          "tokens_per_s": tps, "mfu": mfu,
           "peak_gib": peak / 2**30 if peak else None, "compile_s": max(first - step_s, 0.0),
           "loss": float(loss), "attention": gpt.attention_implementation(config),
           "stage_layers": [e - b for b, e in config.stage_bounds], **sim}

@@ -60,6 +60,8 @@ class Program:
         self.split[t.region] = split_backward(self.ad[t.region], cts, runner.axis_env)
     self.n_mb = plan.n_microbatches
     self.mbs = self.model.batch_size
+    # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
+    self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self._plan_grads()
     self._plan_values()
 
@@ -262,8 +264,9 @@ class Program:
       for pos in [p for p in grads if p >= self.split_grad0]:
         split_acc[pos] = grads.pop(pos)
       if zero >= 2 and grads:
-        for key, x in self._assemble(grads).items():
+        for key, x in self._assemble(grads, self.reduce_dtype).items():
           x = self._grad_collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
+          x = x.astype(key[1])
           acc[key] = acc[key] + x if key in acc else x
       else:
         acc.update(grads)
@@ -273,7 +276,7 @@ class Program:
           summed = self._grad_collective(lax.psum, tuple(acc[p] for p in bucket), axes)
           acc.update(zip(bucket, summed))
     if zero < 2:
-      acc = self._assemble(acc) if acc else {}
+      acc = self._assemble(acc, None if self.buckets else self.reduce_dtype) if acc else {}
     out = self._finish_grads(acc)
     out["split"] = self._finish_split(split_acc)
     return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
@@ -281,7 +284,7 @@ class Program:
   def _grad_collective(self, op, x, *args, **kwargs):
     """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
     tuple), run in the plan's `reduce_dtype` where it has one."""
-    dt = self.plan.reduce_dtype
+    dt = self.reduce_dtype
     if dt is None:
       return op(x, *args, **kwargs)
     cast = lambda t, to: t.astype(to) if jnp.issubdtype(t.dtype, jnp.floating) else t
@@ -323,8 +326,10 @@ class Program:
       out.append(g[None, None])
     return out
 
-  def _assemble(self, grads: dict[int, jax.Array]) -> dict[tuple, jax.Array]:
-    """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments."""
+  def _assemble(self, grads: dict[int, jax.Array],
+                dtype: str | None = None) -> dict[tuple, jax.Array]:
+    """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments, built
+    in `dtype` if given (a reduction's dtype: the cast fuses into the copy of each leaf)."""
     layout = self.layout
     keys = sorted({(layout.home[p].slot, layout.home[p].dtype)
                    for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
@@ -332,14 +337,16 @@ class Program:
 
     def branch(rank):
       def run(g):
-        segs = {key: jnp.zeros((layout.segment_size(*key),), jnp.dtype(key[1])) for key in keys}
+        segs = {key: jnp.zeros((layout.segment_size(*key),), jnp.dtype(dtype or key[1]))
+                for key in keys}
         for p in self.grad_leaves_of_rank[rank]:
           pos = self.grad_where[(rank, p)]
           if pos not in g:
             continue
           h = layout.home[p]
           key = (h.slot, h.dtype)
-          segs[key] = lax.dynamic_update_slice(segs[key], jnp.ravel(g[pos]), (h.offset,))
+          leaf = jnp.ravel(g[pos]).astype(segs[key].dtype)
+          segs[key] = lax.dynamic_update_slice(segs[key], leaf, (h.offset,))
         return segs
       return run
 
@@ -496,8 +503,8 @@ class Program:
       g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
     if zero == 0:
       g = g if self.buckets else self._grad_collective(lax.psum, g, axes)  # buckets: done
-      return g.reshape(n_dp, chunk)
+      return g.astype(dt).reshape(n_dp, chunk)
     if zero == 1:
       g = self._grad_collective(lax.psum_scatter, g, axes, scatter_dimension=0, tiled=True)
-      return g.reshape(1, chunk)
+      return g.astype(dt).reshape(1, chunk)
     return g.reshape(1, chunk)
