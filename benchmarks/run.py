@@ -23,7 +23,8 @@ keeps parameters and optimizer states in bf16 (the PyTorch peer's setting; fp32 
 weights otherwise) and takes its ratio against `jit-dp+bf16`. A `+rbf16` suffix reduces
 the data-parallel gradients in bf16 (`replicate(reduce_dtype="bfloat16")`), as plain
 jit DP does with a bf16-compute model: its all-reduce runs on the bf16 gradient of
-the matmul, before the convert to the fp32 parameter's dtype.
+the matmul, before the convert to the fp32 parameter's dtype. A `+roll` suffix compiles
+with `pj.compile(..., roll=True)`: the schedule's steady state runs as one loop.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -209,7 +210,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
-    call = pj.compile(loss_fn, tx, directives, params, batches[0])
+    call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in variant.split("+"))
     state = call.init(params)
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")
@@ -339,8 +340,8 @@ def main(argv=None):
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
     base, *mods = v.split("+")
-    if set(mods) - {"ep", "even", "bf16", "rbf16"}:
-      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even, +bf16 and +rbf16")
+    if set(mods) - {"ep", "even", "bf16", "rbf16", "roll"}:
+      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even, +bf16, +rbf16 and +roll")
     if base in BASELINES and set(mods) - {"bf16"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:

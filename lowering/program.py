@@ -15,6 +15,9 @@ reduced only over their copies (`_finish_split`).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +30,7 @@ from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
                                         backward_weight, full_residuals, region_backward,
                                         region_forward, split_backward)
+from piper_jax.lowering.rolling import Window, find_window, shift_loc
 
 __all__ = ["Program"]
 
@@ -40,10 +44,21 @@ def _zeros(sig) -> jax.Array:
   return jnp.zeros(sig[0], jnp.dtype(sig[1]))
 
 
+@dataclasses.dataclass
+class _State:
+  """What a step's ticks pass on: arrays by location, gradient sums, the loss."""
+
+  arrays: dict = dataclasses.field(default_factory=dict)
+  # ZeRO 0/1: gradient position -> sum; ZeRO 2/3: (slot, dtype) -> reduced chunk.
+  acc: dict = dataclasses.field(default_factory=dict)
+  split_acc: dict = dataclasses.field(default_factory=dict)  # split leaves' pieces, by position
+  loss: Any = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.float32))
+
+
 class Program:
   """The per-tick lowering of a plan; `body` is the shard_map body of one step."""
 
-  def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout):
+  def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout, roll: bool = False):
     self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
     self.model = runner.spec
     mesh = plan.mesh
@@ -64,6 +79,7 @@ class Program:
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self._plan_grads()
     self._plan_values()
+    self.window = find_window(self) if roll else None
 
   # -- static analysis: who produces and reads every value ----------------------
 
@@ -223,63 +239,115 @@ class Program:
 
   def body(self, params: dict, batch: list):
     """One training step on local shards -> (grads like params, summed mean loss)."""
-    plan, layout = self.plan, self.layout
-    zero, axes = layout.zero, self.data_axes
-    arrays: dict[tuple, jax.Array] = {}
-    acc: dict = {}   # ZeRO 0/1: grad position -> sum; ZeRO 2/3: (slot, dtype) -> reduced chunk
-    split_acc: dict[int, jax.Array] = {}   # split leaves' pieces, by grad position
-    loss = jnp.zeros((), jnp.float32)
-    for tick_i, tick in enumerate(plan.ticks):
-      info = self.ticks[tick_i]
-      # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
-      read = {p for ts in tick for t in ts for p in self.model.regions[t.region].params}
-      slots = sorted({layout.home[p].slot for p in read if p not in layout.split})
-      if zero == 3:
-        segs = {(s, dt): lax.all_gather(layout.local_chunk(params, s, dt), axes, tiled=True)
-                for s in slots for dt in layout.dtypes if layout.segment_size(s, dt)}
+    st = _State()
+    w, t = self.window, 0
+    while t < len(self.plan.ticks):
+      if w is not None and t == w.start:
+        self._loop(w, st, params, batch)
+        t = w.stop
       else:
-        segs = None
-      split = self._split_pieces(params["split"], read)
-      reads = sorted({self.loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
-                      for key in self._reads(t)
-                      if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
-      # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
-      acc_in = {}
-      for pos in info["grads"]:
-        sums = split_acc if pos >= self.split_grad0 else acc if zero < 2 else {}
-        if pos in sums:
-          acc_in[pos] = sums[pos]
-      operands = {"arrays": {k: arrays[k] for k in reads},
-                  "params": params if segs is None else segs, "split": split,
-                  "batch": batch, "acc": acc_in}
-      branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
-                  for rank in range(plan.n_ranks)]
-      keep, rounds, grads, tick_loss = self._switch(branches, operands)
-      loss = loss + tick_loss
-      for pos, x in enumerate(keep):
-        arrays[("keep", tick_i, pos)] = x
-      for ri, ((rnd, _, _), payload) in enumerate(zip(info["rounds"], rounds)):
-        for pos, x in enumerate(payload):
-          arrays[("recv", tick_i, ri, pos)] = lax.ppermute(x, "pp", perm=rnd)
-      for pos in [p for p in grads if p >= self.split_grad0]:
-        split_acc[pos] = grads.pop(pos)
-      if zero >= 2 and grads:
-        for key, x in self._assemble(grads, self.reduce_dtype).items():
-          x = self._grad_collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
-          x = x.astype(key[1])
-          acc[key] = acc[key] + x if key in acc else x
-      else:
-        acc.update(grads)
-        for bucket in self.buckets.get(tick_i, []):
-          # One all-reduce of several arrays as soon as they are final, which XLA
-          # can overlap with the backward work that follows.
-          summed = self._grad_collective(lax.psum, tuple(acc[p] for p in bucket), axes)
-          acc.update(zip(bucket, summed))
-    if zero < 2:
+        self._tick(t, st, params, batch, 0)
+        t += 1
+    acc = st.acc
+    if self.layout.zero < 2:
       acc = self._assemble(acc, None if self.buckets else self.reduce_dtype) if acc else {}
     out = self._finish_grads(acc)
-    out["split"] = self._finish_split(split_acc)
-    return out, lax.psum(loss, axes + ("pp",)) / (self.n_data * self.n_mb)
+    out["split"] = self._finish_split(st.split_acc)
+    return out, lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
+
+  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift):
+    """Runs tick `tick_i` (its microbatches `shift` later) and its collectives on `st`."""
+    plan, layout = self.plan, self.layout
+    zero, axes = layout.zero, self.data_axes
+    tick, info = plan.ticks[tick_i], self.ticks[tick_i]
+    # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
+    read = {p for ts in tick for t in ts for p in self.model.regions[t.region].params}
+    slots = sorted({layout.home[p].slot for p in read if p not in layout.split})
+    if zero == 3:
+      segs = {(s, dt): lax.all_gather(layout.local_chunk(params, s, dt), axes, tiled=True)
+              for s in slots for dt in layout.dtypes if layout.segment_size(s, dt)}
+    else:
+      segs = None
+    split = self._split_pieces(params["split"], read)
+    reads = sorted({self.loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
+                    for key in self._reads(t)
+                    if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
+    # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
+    acc_in = {}
+    for pos in info["grads"]:
+      sums = st.split_acc if pos >= self.split_grad0 else st.acc if zero < 2 else {}
+      if pos in sums:
+        acc_in[pos] = sums[pos]
+    operands = {"arrays": {k: st.arrays[k] for k in reads},
+                "params": params if segs is None else segs, "split": split,
+                "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
+    branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
+                for rank in range(plan.n_ranks)]
+    keep, rounds, grads, tick_loss = self._switch(branches, operands)
+    st.loss = st.loss + tick_loss
+    for pos, x in enumerate(keep):
+      st.arrays[("keep", tick_i, pos)] = x
+    for ri, ((rnd, _, _), payload) in enumerate(zip(info["rounds"], rounds)):
+      for pos, x in enumerate(payload):
+        st.arrays[("recv", tick_i, ri, pos)] = lax.ppermute(x, "pp", perm=rnd)
+    for pos in [p for p in grads if p >= self.split_grad0]:
+      st.split_acc[pos] = grads.pop(pos)
+    if zero >= 2 and grads:
+      for key, x in self._assemble(grads, self.reduce_dtype).items():
+        x = self._grad_collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
+        x = x.astype(key[1])
+        st.acc[key] = st.acc[key] + x if key in st.acc else x
+    else:
+      st.acc.update(grads)
+      for bucket in self.buckets.get(tick_i, []):
+        # One all-reduce of several arrays as soon as they are final, which XLA
+        # can overlap with the backward work that follows.
+        summed = self._grad_collective(lax.psum, tuple(st.acc[p] for p in bucket), axes)
+        st.acc.update(zip(bucket, summed))
+
+  def _loop(self, w: Window, st: "_State", params: dict, batch: list):
+    """Ticks [w.start, w.stop) as a `lax.fori_loop` over the first `w.length` of them."""
+    body_ticks = range(w.start, w.start + w.length)
+    # Every sum the loop adds to exists before it, so the carry keeps one structure.
+    for t in body_ticks:
+      grads = self.ticks[t]["grads"]
+      for pos in grads:
+        if pos >= self.split_grad0:
+          st.split_acc.setdefault(pos, _zeros(self.grad_positions[pos]))
+        elif self.layout.zero < 2:
+          st.acc.setdefault(pos, _zeros(self.grad_positions[pos]))
+      if self.layout.zero >= 2:
+        for key in self._segment_keys([p for p in grads if p < self.split_grad0]):
+          size = self.layout.segment_size(*key) // self.n_data
+          st.acc.setdefault(key, jnp.zeros((size,), jnp.dtype(key[1])))
+    acc_keys, split_keys = sorted(st.acc, key=str), sorted(st.split_acc)
+
+    def iteration(j, c):
+      inner = _State(dict(zip(w.carry, c["carry"])), dict(zip(acc_keys, c["acc"])),
+                     dict(zip(split_keys, c["split"])), c["loss"])
+      for t in body_ticks:
+        self._tick(t, inner, params, batch, j * w.mb_shift)
+      return {"carry": [inner.arrays[shift_loc(k, w.length)] for k in w.carry],
+              "exits": [inner.arrays[k] for k in w.exits],
+              "acc": [inner.acc[k] for k in acc_keys],
+              "split": [inner.split_acc[k] for k in split_keys], "loss": inner.loss}
+
+    init = {"carry": [st.arrays[k] for k in w.carry],
+            "exits": [_zeros(self._loc_signature(k)) for k in w.exits],
+            "acc": [st.acc[k] for k in acc_keys], "split": [st.split_acc[k] for k in split_keys],
+            "loss": st.loss}
+    out = lax.fori_loop(0, w.iters, iteration, init)
+    last = (w.iters - 1) * w.length
+    st.arrays.update({shift_loc(k, last + w.length): x for k, x in zip(w.carry, out["carry"])})
+    st.arrays.update({shift_loc(k, last): x for k, x in zip(w.exits, out["exits"])})
+    st.acc = dict(zip(acc_keys, out["acc"]))
+    st.split_acc = dict(zip(split_keys, out["split"]))
+    st.loss = out["loss"]
+
+  def _loc_signature(self, loc: tuple) -> tuple:
+    """(shape, dtype) of the array at a value location."""
+    info = self.ticks[loc[1]]
+    return info["keep"][0][loc[2]] if loc[0] == "keep" else info["rounds"][loc[2]][1][loc[3]]
 
   def _grad_collective(self, op, x, *args, **kwargs):
     """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
@@ -331,9 +399,7 @@ class Program:
     """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments, built
     in `dtype` if given (a reduction's dtype: the cast fuses into the copy of each leaf)."""
     layout = self.layout
-    keys = sorted({(layout.home[p].slot, layout.home[p].dtype)
-                   for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
-                   if self.grad_where[(rank, p)] in grads}, key=str)
+    keys = self._segment_keys(grads)
 
     def branch(rank):
       def run(g):
@@ -351,6 +417,13 @@ class Program:
       return run
 
     return self._switch([branch(r) for r in range(self.plan.n_ranks)], grads)
+
+  def _segment_keys(self, positions) -> list[tuple]:
+    """The (slot, dtype) segments that gradients at `positions` (any rank's) fall in."""
+    layout = self.layout
+    return sorted({(layout.home[p].slot, layout.home[p].dtype)
+                   for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
+                   if self.grad_where[(rank, p)] in positions}, key=str)
 
   def _branch(self, rank: int, tick_i: int, tasks: list[Task], gathered: bool):
     layout, model, info = self.layout, self.model, self.ticks[tick_i]
@@ -379,7 +452,8 @@ class Program:
         return layout.leaf(segment(h.slot, h.dtype), h)
 
       def batch_mb(r, m):
-        return [lax.dynamic_slice_in_dim(ops["batch"][i], m * self.mbs, self.mbs, 0)
+        return [lax.dynamic_slice_in_dim(ops["batch"][i], (m + ops["shift"]) * self.mbs,
+                                         self.mbs, 0)
                 for i in model.regions[r].batch]
 
       grad_acc: dict[int, jax.Array] = {}

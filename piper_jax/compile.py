@@ -90,7 +90,7 @@ class TrainStep:
 
   def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                directives: Sequence[Directive] | str, params: Any, example_batch: Any,
-               devices: Sequence[jax.Device] | None = None):
+               devices: Sequence[jax.Device] | None = None, roll: bool = False):
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
     self.optimizer = optimizer
@@ -104,7 +104,7 @@ class TrainStep:
     self._layout = layout = ParamLayout(traced.spec, plan, split)
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
     runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
-    self._program = Program(runner, plan, layout)
+    self._program = Program(runner, plan, layout, roll=roll)
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
     zero = pm.zero
@@ -250,7 +250,8 @@ def _is_buffers(x) -> bool:
 
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
-            params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None) -> TrainStep:
+            params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None,
+            roll: bool = False) -> TrainStep:
   """Compiles a training step of `loss_fn(params, batch)` under a directive list.
 
   Args:
@@ -260,8 +261,10 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
     params: the parameters (or their shapes) the step will train.
     example_batch: a batch (or its shapes) with the global batch size.
     devices: the devices directive indices refer to; default `jax.devices()`.
+    roll: run the schedule's steady state (ticks that repeat with later microbatches)
+      as one `lax.fori_loop` instead of unrolling every tick: XLA compiles it once.
 
   Returns:
     A `TrainStep`.
   """
-  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices)
+  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, roll)

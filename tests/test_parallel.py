@@ -207,3 +207,13 @@ def test_stage_of_several_regions_runs_in_one_tick():
   for tick in plan.ticks:
     for tasks in tick:
       assert len({(t.mb, t.pass_) for t in tasks}) <= 2  # at most one F and one B
+
+
+def test_rolled_pp2_x_ep2(batches_of):
+  # compile(roll=True) with all-to-alls, split expert weights and ZeRO-1 inside the loop.
+  config, loss, params = _moe(n_stages=2)
+  batches_of(config)
+  directives = pj.strategies.pipeline(2, 8, "1f1b", dp=4, zero=1)
+  directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
+  step, _ = assert_same_run(loss, params, directives, batch_size=32, tx=MOE_TX, roll=True)
+  assert step._program.window is not None and step._program.window.iters >= 2

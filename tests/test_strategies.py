@@ -170,9 +170,9 @@ def test_bucketed_gradient_reduction(n_stages):
   assert text.count("all_reduce") + text.count("all-reduce") > 1
 
 
-def _batch():
+def _batch(size=16):
   from models import random_batch
-  return random_batch(jax.random.PRNGKey(0), 16)
+  return random_batch(jax.random.PRNGKey(0), size)
 
 
 def _bf16_reduced_grads(loss, params, batch, n_dp):
@@ -223,3 +223,17 @@ def test_reduce_dtype_bf16_pipeline_zero2():
     # bf16 steps of the largest gradient, where replicas' gradients cancel.
     np.testing.assert_allclose(np.asarray(p - q), np.asarray(e), rtol=1e-2, atol=2**-7 * scale)
   assert step.plan.reduce_dtype == "bfloat16" and "bf16" in step.lower(state, batch).as_text()
+
+
+@pytest.mark.parametrize("schedule,stages,dp,zero,tied", [
+    ("1f1b", 2, 1, 0, True), ("1f1b", 4, 2, 3, False), ("zb", 2, 2, 2, False),
+    ("dualpipev", 4, 1, 1, False), ("interleaved", 4, 1, 0, False)])
+def test_rolled_steady_state(schedule, stages, dp, zero, tied):
+  # compile(roll=True): the repeating middle of the schedule runs as one lax.fori_loop
+  # (microbatches and values shifted per iteration), with the same numbers.
+  loss, params = _mlp(stages, tied=tied)
+  directives = pj.strategies.pipeline(stages, 16, schedule, dp=dp, zero=zero)
+  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp, roll=True)
+  w = step._program.window
+  assert w is not None and w.iters >= 2, w
+  assert "while" in step.lower(state, _batch(16 * dp)).as_text()
