@@ -255,9 +255,11 @@ class Program:
     out["split"] = self._finish_split(st.split_acc)
     return out, lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
 
-  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift):
-    """Runs tick `tick_i` (its microbatches `shift` later) and its collectives on `st`."""
+  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None):
+    """Runs tick `tick_i` (its microbatches `shift` later) and its collectives on `st`;
+    `loc` overrides where its reads are found ((key, rank) -> location)."""
     plan, layout = self.plan, self.layout
+    loc = self.loc if loc is None else loc
     zero, axes = layout.zero, self.data_axes
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
     # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
@@ -269,9 +271,9 @@ class Program:
     else:
       segs = None
     split = self._split_pieces(params["split"], read)
-    reads = sorted({self.loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
+    reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                     for key in self._reads(t)
-                    if (key, rank) in self.loc and self.loc[(key, rank)][1] < tick_i}, key=str)
+                    if (key, rank) in loc and loc[(key, rank)][1] < tick_i}, key=str)
     # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
     acc_in = {}
     for pos in info["grads"]:
@@ -281,7 +283,7 @@ class Program:
     operands = {"arrays": {k: st.arrays[k] for k in reads},
                 "params": params if segs is None else segs, "split": split,
                 "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
-    branches = [self._branch(rank, tick_i, tick[rank], segs is not None)
+    branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
                 for rank in range(plan.n_ranks)]
     keep, rounds, grads, tick_loss = self._switch(branches, operands)
     st.loss = st.loss + tick_loss
@@ -326,13 +328,13 @@ class Program:
       inner = _State(dict(zip(w.carry, c["carry"])), dict(zip(acc_keys, c["acc"])),
                      dict(zip(split_keys, c["split"])), c["loss"])
       for t in body_ticks:
-        self._tick(t, inner, params, batch, j * w.mb_shift)
+        self._tick(t, inner, params, batch, j * w.mb_shift, w.reads)
       return {"carry": [inner.arrays[shift_loc(k, w.length)] for k in w.carry],
               "exits": [inner.arrays[k] for k in w.exits],
               "acc": [inner.acc[k] for k in acc_keys],
               "split": [inner.split_acc[k] for k in split_keys], "loss": inner.loss}
 
-    init = {"carry": [st.arrays[k] for k in w.carry],
+    init = {"carry": [self._entry_value(st.arrays, e) for e in w.entry],
             "exits": [_zeros(self._loc_signature(k)) for k in w.exits],
             "acc": [st.acc[k] for k in acc_keys], "split": [st.split_acc[k] for k in split_keys],
             "loss": st.loss}
@@ -343,6 +345,16 @@ class Program:
     st.acc = dict(zip(acc_keys, out["acc"]))
     st.split_acc = dict(zip(split_keys, out["split"]))
     st.loss = out["loss"]
+
+  def _entry_value(self, arrays: dict, entry: tuple) -> jax.Array:
+    """A carried array as the loop's first iteration reads it: on each pipeline rank, the
+    array at that rank's location before the loop (`Window.entry`)."""
+    where = dict(entry)
+    locs = sorted(set(where.values()), key=str)
+    if len(locs) == 1:
+      return arrays[locs[0]]
+    table = jnp.asarray([locs.index(where.get(r, locs[0])) for r in range(self.plan.n_ranks)])
+    return lax.select_n(table[lax.axis_index("pp")], *[arrays[k] for k in locs])
 
   def _loc_signature(self, loc: tuple) -> tuple:
     """(shape, dtype) of the array at a value location."""
@@ -425,7 +437,7 @@ class Program:
                    for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
                    if self.grad_where[(rank, p)] in positions}, key=str)
 
-  def _branch(self, rank: int, tick_i: int, tasks: list[Task], gathered: bool):
+  def _branch(self, rank: int, tick_i: int, tasks: list[Task], gathered: bool, loc: dict):
     layout, model, info = self.layout, self.model, self.ticks[tick_i]
     keep_pos, keep_where = info["keep"]
 
@@ -435,7 +447,7 @@ class Program:
       def read(key):
         if key in env:
           return env[key]
-        return ops["arrays"][self.loc[(key, rank)]]
+        return ops["arrays"][loc[(key, rank)]]
 
       seg_cache = {}
 

@@ -1,17 +1,21 @@
 """The steady state of a ticked plan: ticks that repeat with shifted microbatches.
 
 A pipeline schedule's middle repeats: in 1F1B every tick of the steady state runs the
-previous tick's tasks one microbatch later. `find_window` finds the longest such run
-that `Program` can lower as one `lax.fori_loop` over a body of `length` ticks (the
-compiler then sees those ticks once instead of `iters` times):
+previous tick's tasks one microbatch later. `find_window` finds the run of ticks that
+`Program` can lower as one `lax.fori_loop` over a body of `length` ticks (the compiler
+then sees those ticks once instead of `iters` times):
 
-* tick t + length runs tick t's tasks with microbatches shifted by `mb_shift`, in
-  the same order, on every rank;
-* it lays out what it keeps and sends at the same positions, reads its inputs from
-  the same places `length` ticks later, and adds to the same gradient sums;
-* no value is read more than one iteration after it is made, so the loop carries
-  only the previous iteration's values (`carry`, named by where iteration 0 reads
-  them) and hands the last iteration's to the ticks after the loop (`exits`).
+* tick t + period runs tick t's tasks with microbatches shifted, in the same order on
+  every rank, keeps and sends its values at the same positions, and adds to the same
+  gradient sums;
+* from the second iteration on, every read comes from the place the previous
+  iteration's read came from, `length` ticks later, and no value is read more than
+  one iteration after it is made. The body reads where the second iteration reads
+  (shifted back, `Window.reads`), so the loop carries only the previous iteration's
+  values (`carry`); the first iteration reads the ticks before the loop, which may lay
+  their values out differently, through `entry`;
+* the ticks after the loop read only the last iteration's values (`carry` shifted,
+  and `exits`).
 
 Value locations are `Program.loc`'s: ("keep", tick, pos) or ("recv", tick, round, pos).
 """
@@ -26,14 +30,17 @@ __all__ = ["Window", "find_window", "shift_loc"]
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-  """Ticks [start, stop) run as `iters` iterations of ticks [start, start + length)."""
+  """Ticks [start, stop) run as `iters` iterations of the code of ticks [start, start + length)."""
 
   start: int
   length: int
   iters: int
-  mb_shift: int            # microbatch shift from one iteration to the next
-  carry: tuple[tuple, ...]  # locations before `start` that iteration 0 reads
-  exits: tuple[tuple, ...]  # other locations in iteration 0 whose last-iteration values are read later
+  mb_shift: int                 # microbatch shift from one iteration to the next
+  reads: dict                   # (value key, rank) -> location, for the body's reads
+  carry: tuple[tuple, ...]      # body read locations before `start`: the previous iteration's
+  entry: tuple[tuple, ...]      # per carry location, ((rank, location), ...) of the first
+                                # iteration's reads (ranks may find it in different places)
+  exits: tuple[tuple, ...]      # more body locations whose last values the later ticks read
 
   @property
   def stop(self) -> int:
@@ -61,19 +68,13 @@ def _mb_shift(ticks, t: int, u: int) -> int | None:
   return None if a is None or b is None else b.mb - a.mb
 
 
-def _repeats(prog: Any, t: int, u: int, mbs: int) -> bool:
-  """Whether tick u is tick t with microbatches shifted by `mbs` (see the module doc)."""
+def _same_shape(prog: Any, t: int, u: int, mbs: int) -> bool:
+  """Whether tick u runs tick t's tasks `mbs` microbatches later and lays out its values,
+  messages and gradient sums the same way."""
   ticks = prog.plan.ticks
-  for rank, (xs, ys) in enumerate(zip(ticks[t], ticks[u])):
-    if len(xs) != len(ys):
+  for xs, ys in zip(ticks[t], ticks[u]):
+    if [(x.region, x.pass_, x.mb + mbs) for x in xs] != [(y.region, y.pass_, y.mb) for y in ys]:
       return False
-    for x, y in zip(xs, ys):
-      if (x.region, x.pass_, x.mb + mbs) != (y.region, y.pass_, y.mb):
-        return False
-      for key in prog._reads(x):
-        a, b = prog.loc.get((key, rank)), prog.loc.get((_shift_key(key, mbs), rank))
-        if (a is None) != (b is None) or (a is not None and shift_loc(a, u - t) != b):
-          return False
   ia, ib = prog.ticks[t], prog.ticks[u]
   if ia["grads"] != ib["grads"] or prog.buckets.get(t) or prog.buckets.get(u):
     return False
@@ -85,53 +86,90 @@ def _repeats(prog: Any, t: int, u: int, mbs: int) -> bool:
              for (ra, pa, wa), (rb, pb, wb) in zip(ia["rounds"], ib["rounds"]))
 
 
-def _reads_by_tick(prog: Any) -> list[list[tuple]]:
-  """Per tick, the locations of earlier ticks that its tasks read."""
-  out = []
-  for t, tick in enumerate(prog.plan.ticks):
-    locs = {prog.loc[(key, rank)] for rank, ts in enumerate(tick) for x in ts
-            for key in prog._reads(x) if (key, rank) in prog.loc}
-    out.append(sorted((loc for loc in locs if loc[1] < t), key=str))
-  return out
+def _reads(prog: Any, t: int):
+  """(value key, rank, location or None) of every read by tick t's tasks."""
+  for rank, xs in enumerate(prog.plan.ticks[t]):
+    for x in xs:
+      for key in prog._reads(x):
+        yield key, rank, prog.loc.get((key, rank))
 
 
-def _fit(prog: Any, reads: list, start: int, end: int, period: int, mbs: int,
+def _same_reads(prog: Any, t: int, u: int, mbs: int) -> bool:
+  """Whether tick u reads each value from where tick t read its counterpart, u - t later."""
+  for key, rank, a in _reads(prog, t):
+    b = prog.loc.get((_shift_key(key, mbs), rank))
+    if (a is None) != (b is None) or (a is not None and shift_loc(a, u - t) != b):
+      return False
+  return True
+
+
+def _distances(prog: Any, t: int) -> list[int]:
+  return [t - loc[1] for _, _, loc in _reads(prog, t) if loc is not None and loc[1] < t]
+
+
+def _fit(prog: Any, start: int, end: int, period: int, mbs: int, regular: int,
          min_iters: int) -> Window | None:
-  """The longest loop over periodic ticks [start, end) whose values cross one iteration."""
-  far = max([t - loc[1] for t in range(start, end) for loc in reads[t]], default=1)
-  length = period * -(-far // period)
+  """The longest loop over ticks [start, end), which repeat every `period` ticks with
+  `mbs` microbatches' shift and read regularly from tick `regular` on."""
+  length = period
+  while True:  # the body must hold every distance read from the second iteration on
+    far = max([d for t in range(start + length, end) for d in _distances(prog, t)], default=1)
+    if far <= length:
+      break
+    length = period * -(-far // period)
+  if start + length < regular:
+    return None
+  shift = mbs * length // period
+  n = len(prog.plan.ticks)
   for iters in range((end - start) // length, min_iters - 1, -1):
     stop = start + iters * length
-    later = {loc for t in range(stop, len(reads)) for loc in reads[t] if start <= loc[1] < stop}
+    later = {loc for t in range(stop, n) for _, _, loc in _reads(prog, t)
+             if loc is not None and start <= loc[1] < stop}
     if any(loc[1] < stop - length for loc in later):
       continue  # a value of an earlier iteration is read after the loop
-    first = range(start, start + length)
-    carry = sorted({loc for t in first for loc in reads[t] if loc[1] < start}, key=str)
-    back = (iters - 1) * length
-    # The loop's carry already ends with the last iteration's values of carry + length.
+    body, entry = {}, {}
+    for t in range(start, start + length):
+      for key, rank, real in _reads(prog, t):
+        nxt = prog.loc.get((_shift_key(key, shift), rank))
+        if (real is None) != (nxt is None):
+          return None
+        if real is None:
+          continue
+        loc = body[(key, rank)] = shift_loc(nxt, -length)
+        if loc[1] >= start:
+          if loc != real:  # made inside the first iteration, so where the body makes it
+            return None
+        elif (real[1] >= start or prog._loc_signature(real) != prog._loc_signature(nxt)
+              or entry.setdefault(loc, {}).setdefault(rank, real) != real):
+          return None
+    carry = sorted(entry, key=str)
     carried = {shift_loc(loc, length) for loc in carry}
-    exits = sorted({shift_loc(loc, -back) for loc in later} - carried, key=str)
-    return Window(start, length, iters, mbs * length // period, tuple(carry), tuple(exits))
+    exits = sorted({shift_loc(loc, -(iters - 1) * length) for loc in later} - carried, key=str)
+    return Window(start, length, iters, shift, body, tuple(carry),
+                  tuple(tuple(sorted(entry[loc].items())) for loc in carry), tuple(exits))
   return None
 
 
 def find_window(prog: Any, min_iters: int = 2, max_period: int = 4) -> Window | None:
   """The steady-state window that removes the most ticks from the unrolled program."""
-  ticks = prog.plan.ticks
-  reads = _reads_by_tick(prog)
+  n = len(prog.plan.ticks)
   best = None
   for period in range(1, max_period + 1):
     t = 0
-    while t + period < len(ticks):
-      mbs = _mb_shift(ticks, t, t + period)
-      if mbs is None or not _repeats(prog, t, t + period, mbs):
+    while t + period < n:
+      mbs = _mb_shift(prog.plan.ticks, t, t + period)
+      if mbs is None or not _same_shape(prog, t, t + period, mbs):
         t += 1
         continue
-      e = t
-      while e + 1 + period < len(ticks) and _repeats(prog, e + 1, e + 1 + period, mbs):
+      e = t  # ticks t..e + period repeat
+      while e + 1 + period < n and _same_shape(prog, e + 1, e + 1 + period, mbs):
         e += 1
-      w = _fit(prog, reads, t, e + period + 1, period, mbs, min_iters)
-      if w and (best is None or (w.iters - 1) * w.length > (best.iters - 1) * best.length):
-        best = w
+      regular = e + 1  # reads repeat from tick `regular` on
+      while regular > t and _same_reads(prog, regular - 1, regular - 1 + period, mbs):
+        regular -= 1
+      for start in range(t, regular + 1):
+        w = _fit(prog, start, e + period + 1, period, mbs, regular, min_iters)
+        if w and (best is None or (w.iters - 1) * w.length > (best.iters - 1) * best.length):
+          best = w
       t = e + 1
   return best
