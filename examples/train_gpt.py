@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
                  help="dtype of the data-parallel gradient reductions (default: the parameters')")
+  p.add_argument("--roll", action="store_true",
+                 help="compile the schedule's steady state as one loop (pj.compile(roll=True))")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data", default="stdlib",
@@ -238,7 +240,7 @@ def main(argv=None) -> dict:
   print(f"strategy: {args.strategy}; data: {args.data}")
 
   step = pj.compile(gpt.loss_fn(model), optimizer, directives, params, get_batch(0),
-                    devices=devices)
+                    devices=devices, roll=args.roll)
   print(step.plan)
   first = 0
   if args.resume and pj.checkpoint.latest_step(args.ckpt_dir) is not None:
