@@ -323,12 +323,13 @@ class Program:
           size = self.layout.segment_size(*key) // self.n_data
           st.acc.setdefault(key, jnp.zeros((size,), jnp.dtype(key[1])))
     acc_keys, split_keys = sorted(st.acc, key=str), sorted(st.split_acc)
+    reads = dict(w.reads)
 
     def iteration(j, c):
       inner = _State(dict(zip(w.carry, c["carry"])), dict(zip(acc_keys, c["acc"])),
                      dict(zip(split_keys, c["split"])), c["loss"])
       for t in body_ticks:
-        self._tick(t, inner, params, batch, j * w.mb_shift, w.reads)
+        self._tick(t, inner, params, batch, j * w.mb_shift, reads)
       return {"carry": [inner.arrays[shift_loc(k, w.length)] for k in w.carry],
               "exits": [inner.arrays[k] for k in w.exits],
               "acc": [inner.acc[k] for k in acc_keys],

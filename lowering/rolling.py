@@ -36,7 +36,7 @@ class Window:
   length: int
   iters: int
   mb_shift: int                 # microbatch shift from one iteration to the next
-  reads: dict                   # (value key, rank) -> location, for the body's reads
+  reads: tuple[tuple, ...]      # ((value key, rank), location) of the body's reads
   carry: tuple[tuple, ...]      # body read locations before `start`: the previous iteration's
   entry: tuple[tuple, ...]      # per carry location, ((rank, location), ...) of the first
                                 # iteration's reads (ranks may find it in different places)
@@ -109,17 +109,27 @@ def _distances(prog: Any, t: int) -> list[int]:
 
 def _fit(prog: Any, start: int, end: int, period: int, mbs: int, regular: int,
          min_iters: int) -> Window | None:
-  """The longest loop over ticks [start, end), which repeat every `period` ticks with
-  `mbs` microbatches' shift and read regularly from tick `regular` on."""
-  length = period
-  while True:  # the body must hold every distance read from the second iteration on
-    far = max([d for t in range(start + length, end) for d in _distances(prog, t)], default=1)
-    if far <= length:
-      break
-    length = period * -(-far // period)
-  if start + length < regular:
-    return None
-  shift = mbs * length // period
+  """The loop over ticks [start, end) that removes the most ticks; they repeat every
+  `period` ticks with `mbs` microbatches' shift and read regularly from tick `regular`."""
+  best = None
+  for length in range(period, (end - start) // min_iters + 1, period):
+    if start + length < regular:
+      continue  # the second iteration's reads would not repeat
+    if any(d > length for t in range(start + length, end) for d in _distances(prog, t)):
+      continue  # a value would cross more than one iteration
+    w = _loop_of(prog, start, end, length, mbs * length // period, min_iters)
+    if w and (best is None or _saved(w) > _saved(best)):
+      best = w
+  return best
+
+
+def _saved(w: Window) -> int:
+  return (w.iters - 1) * w.length
+
+
+def _loop_of(prog: Any, start: int, end: int, length: int, shift: int,
+             min_iters: int) -> Window | None:
+  """The most iterations of ticks [start, start + length) within [start, end)."""
   n = len(prog.plan.ticks)
   for iters in range((end - start) // length, min_iters - 1, -1):
     stop = start + iters * length
@@ -139,14 +149,16 @@ def _fit(prog: Any, start: int, end: int, period: int, mbs: int, regular: int,
         if loc[1] >= start:
           if loc != real:  # made inside the first iteration, so where the body makes it
             return None
-        elif (real[1] >= start or prog._loc_signature(real) != prog._loc_signature(nxt)
-              or entry.setdefault(loc, {}).setdefault(rank, real) != real):
+        elif real[1] >= start or prog._loc_signature(real) != prog._loc_signature(nxt):
           return None
+        else:
+          entry.setdefault(loc, {})[rank] = real
     carry = sorted(entry, key=str)
     carried = {shift_loc(loc, length) for loc in carry}
     exits = sorted({shift_loc(loc, -(iters - 1) * length) for loc in later} - carried, key=str)
-    return Window(start, length, iters, shift, body, tuple(carry),
-                  tuple(tuple(sorted(entry[loc].items())) for loc in carry), tuple(exits))
+    return Window(start, length, iters, shift, tuple(sorted(body.items(), key=str)),
+                  tuple(carry), tuple(tuple(sorted(entry[loc].items())) for loc in carry),
+                  tuple(exits))
   return None
 
 
@@ -169,7 +181,7 @@ def find_window(prog: Any, min_iters: int = 2, max_period: int = 4) -> Window | 
         regular -= 1
       for start in range(t, regular + 1):
         w = _fit(prog, start, e + period + 1, period, mbs, regular, min_iters)
-        if w and (best is None or (w.iters - 1) * w.length > (best.iters - 1) * best.length):
+        if w and (best is None or _saved(w) > _saved(best)):
           best = w
       t = e + 1
   return best
