@@ -242,6 +242,9 @@ def main(argv=None) -> dict:
   step = pj.compile(gpt.loss_fn(model), optimizer, directives, params, get_batch(0),
                     devices=devices, roll=args.roll)
   print(step.plan)
+  if step.rolled:
+    w = step.rolled
+    print(f"ticks {w.start}-{w.stop - 1} run as {w.iters} iterations of {w.length} ticks")
   first = 0
   if args.resume and pj.checkpoint.latest_step(args.ckpt_dir) is not None:
     state = pj.checkpoint.restore(args.ckpt_dir, step)

@@ -185,6 +185,12 @@ class TrainStep:
     """One training step: returns the new state and the mean loss over the batch."""
     return self._step(state, self._batch_leaves(batch))
 
+  @property
+  def rolled(self):
+    """The ticks run as one loop (`compile(roll=True)`): a `Window` with `start`, `stop`,
+    `length` and `iters`, or None when the step unrolls every tick."""
+    return self._program.window
+
   def lower(self, state: TrainState, batch: Any):
     """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""
     return self._step.lower(state, self._batch_leaves(batch))

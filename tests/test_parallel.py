@@ -216,4 +216,4 @@ def test_rolled_pp2_x_ep2(batches_of):
   directives = pj.strategies.pipeline(2, 8, "1f1b", dp=4, zero=1)
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
   step, _ = assert_same_run(loss, params, directives, batch_size=32, tx=MOE_TX, roll=True)
-  assert step._program.window is not None and step._program.window.iters >= 2
+  assert step.rolled is not None and step.rolled.iters >= 2

@@ -234,6 +234,6 @@ def test_rolled_steady_state(schedule, stages, dp, zero, tied):
   loss, params = _mlp(stages, tied=tied)
   directives = pj.strategies.pipeline(stages, 16, schedule, dp=dp, zero=zero)
   step, state = assert_same_run(loss, params, directives, batch_size=16 * dp, roll=True)
-  w = step._program.window
+  w = step.rolled
   assert w is not None and w.iters >= 2, w
   assert "while" in step.lower(state, _batch(16 * dp)).as_text()
