@@ -18,13 +18,14 @@ from jax.sharding import PartitionSpec as P
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.plan import Plan
 
-__all__ = ["ParamLayout", "Home", "match_positions"]
+__all__ = ["ParamLayout", "Home", "match_positions", "signature"]
 
 SHARED = -1  # the slot index of the buffer every rank holds (tied or unused parameters)
 SPLIT = -2   # the slot index of leaves split by shard / shard_tensor (kept unpacked)
 
 
-def _signature(aval) -> tuple:
+def signature(aval) -> tuple:
+  """(shape, dtype name) of an array or abstract value: what output positions share."""
   return (tuple(int(d) for d in aval.shape), str(jnp.dtype(aval.dtype)))
 
 
@@ -40,7 +41,7 @@ def match_positions(per_rank: dict[int, list[tuple[Any, Any]]]) -> tuple[list[tu
   for rank, values in sorted(per_rank.items()):
     used: set[int] = set()
     for key, aval in values:
-      sig = _signature(aval)
+      sig = signature(aval)
       pos = next((i for i, s in enumerate(positions) if s == sig and i not in used), None)
       if pos is None:
         positions.append(sig)

@@ -25,7 +25,7 @@ from jax import lax
 
 from piper_jax.ir.graph import Pass
 from piper_jax.ir.plan import Plan, Task
-from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions
+from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions, signature
 from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
                                         backward_weight, full_residuals, region_backward,
@@ -229,6 +229,8 @@ class Program:
       per_rank[rank].append((p, None))
     self.grad_leaves_of_rank = {rank: [p for p, _ in vals if p not in layout.split]
                                 for rank, vals in per_rank.items()}
+    self.owned = {rank: {self.grad_where[(rank, p)] for p in leaves}
+                  for rank, leaves in self.grad_leaves_of_rank.items()}
 
   # -- the shard_map body -------------------------------------------------------
 
@@ -528,17 +530,33 @@ class Program:
           p = spec.params[i]
           grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
 
+      # Positions that other ranks' values hold (positions are shared by shape) take an
+      # array of the same shape this tick made and dropped anyway, such as a residual F
+      # and B used within the tick: it is written once either way, zeros would be an
+      # extra write. Nobody reads these positions.
+      mine = ({key for (rk, key) in keep_where if rk == rank}
+              | {key for _, _, w in info["rounds"] for (rk, key) in w if rk == rank})
+      spare: dict[tuple, list] = {}
+      for key, x in env.items():
+        if key not in mine:
+          spare.setdefault(signature(x), []).append(x)
+
+      def filler(sig):
+        return spare[sig].pop() if spare.get(sig) else _zeros(sig)
+
       def fill(positions, where):
         out = [None] * len(positions)
         for (rk, key), pos in where.items():
           if rk == rank:
             out[pos] = env[key]
-        return tuple(_zeros(sig) if x is None else x.astype(sig[1]) for x, sig in zip(out, positions))
+        return tuple(filler(sig) if x is None else x.astype(sig[1])
+                     for x, sig in zip(out, positions))
 
       keep = fill(keep_pos, keep_where)
       rounds = [fill(pos, where) for _, pos, where in info["rounds"]]
       # The tick's gradients added to the sums passed in; a rank that makes none for a
-      # position passes its sum through (no zeros written, no second buffer per tick).
+      # position it owns passes its sum through; positions it does not own (another
+      # rank's leaves, shared by shape) are never assembled and need no copy.
       by_pos = {self.grad_where[(rank, p)]: g for p, g in grad_acc.items()}
       grads = {}
       for pos in info["grads"]:
@@ -546,8 +564,10 @@ class Program:
         if g is not None:
           g = g.astype(self.grad_positions[pos][1])
           grads[pos] = g if old is None else old + g
+        elif old is None or (pos < self.split_grad0 and pos not in self.owned[rank]):
+          grads[pos] = filler(self.grad_positions[pos])
         else:
-          grads[pos] = _zeros(self.grad_positions[pos]) if old is None else old
+          grads[pos] = old
       return keep, rounds, grads, loss
 
     return run
