@@ -537,8 +537,10 @@ class Program:
       mine = ({key for (rk, key) in keep_where if rk == rank}
               | {key for _, _, w in info["rounds"] for (rk, key) in w if rk == rank})
       spare: dict[tuple, list] = {}
+      taken = {id(env[key]) for key in mine}  # an array may sit under two keys
       for key, x in env.items():
-        if key not in mine:
+        if id(x) not in taken:
+          taken.add(id(x))
           spare.setdefault(signature(x), []).append(x)
 
       def filler(sig):
