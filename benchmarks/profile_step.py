@@ -3,9 +3,9 @@
   python benchmarks/profile_step.py --variant pp-1f1b --model 268m --out DIR
 
 Writes a jax.profiler trace (with a Perfetto JSON; with --hlo, the optimized HLO)
-under DIR and prints, for the first GPU: the wall time of the profiled steps, the time some
-kernel ran (busy), the largest idle gaps, and the kernels that took the most time,
-grouped by name with digits removed.
+under DIR and prints, for the first GPU (`--gpus 0,1` for more): the wall time of the
+profiled steps, the time some kernel ran (busy), the largest idle gaps, and the kernels
+that took the most time, grouped by name with digits removed.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def summarize(trace_path: str, top: int = 15, named: int = 0) -> str:
-  """A text summary of the first GPU's kernels in a Perfetto JSON trace.
+def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> str:
+  """A text summary of GPU `gpu`'s kernels in a Perfetto JSON trace.
 
   Kernels are grouped by name with digits removed (`top` groups); `named` more lines
   list single kernel names (as the optimized HLO names its fusions) by total time.
@@ -31,12 +31,12 @@ def summarize(trace_path: str, top: int = 15, named: int = 0) -> str:
   with gzip.open(trace_path, "rt") as f:
     events = json.load(f)["traceEvents"]
   gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-              and re.search(r"/device:GPU:0\b", str(e.get("args", {}).get("name", "")))}
+              and re.search(rf"/device:GPU:{gpu}\b", str(e.get("args", {}).get("name", "")))}
   kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur")]
   if not kernels:
     names = sorted({str(e.get("args", {}).get("name")) for e in events
                     if e.get("ph") == "M" and e.get("name") == "process_name"})
-    return f"no GPU:0 kernels in the trace; its processes: {names}"
+    return f"no GPU:{gpu} kernels in the trace; its processes: {names}"
   spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
   busy, gaps, end = 0.0, [], spans[0][0]
   start = end
@@ -52,7 +52,7 @@ def summarize(trace_path: str, top: int = 15, named: int = 0) -> str:
     by_name[key][0] += e["dur"]
     by_name[key][1] += 1
   short = [e["dur"] for e in kernels if e["dur"] < 10]
-  lines = [f"GPU:0 {len(kernels)} kernels over {wall / 1e3:.1f} ms: busy {busy / 1e3:.1f} ms "
+  lines = [f"GPU:{gpu} {len(kernels)} kernels over {wall / 1e3:.1f} ms: busy {busy / 1e3:.1f} ms "
            f"({100 * busy / wall:.0f}%), {len(short)} kernels under 10 us ({sum(short) / 1e3:.1f} ms)",
            "largest idle gaps (us): " + ", ".join(f"{g:.0f}" for g in sorted(gaps)[-8:][::-1]),
            f"idle gaps over 50 us: {sum(g for g in gaps if g > 50) / 1e3:.1f} ms in "
@@ -82,6 +82,7 @@ def main():
   ap.add_argument("--attention", default=None, choices=["xla", "cudnn"])
   ap.add_argument("--hlo", action="store_true", help="also write the optimized HLO")
   ap.add_argument("--named", type=int, default=0, help="also list this many kernels by exact name")
+  ap.add_argument("--gpus", default="0", help="comma list of GPUs to summarize (a pipeline's ranks)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   import jax
@@ -107,7 +108,8 @@ def main():
     loss.block_until_ready()
   newest = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
                key=os.path.getmtime)
-  print(summarize(newest, named=args.named), flush=True)
+  for gpu in args.gpus.split(","):
+    print(summarize(newest, named=args.named, gpu=int(gpu)), flush=True)
 
 
 if __name__ == "__main__":

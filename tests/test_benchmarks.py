@@ -68,6 +68,7 @@ def test_profile_summary(tmp_path):
   assert "largest idle gaps (us): 250" in text
   assert "gemm_#" in text and "other_gpu" not in text
   assert "100.0 ms" not in text and "0.1 ms x1      gemm_12" in summarize(str(path), named=3)
+  assert "GPU:1 1 kernels over 1.0 ms" in summarize(str(path), gpu=1)
 
 
 def test_baseline_of_each_variant():
