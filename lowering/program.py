@@ -566,10 +566,10 @@ class Program:
         if g is not None:
           g = g.astype(self.grad_positions[pos][1])
           grads[pos] = g if old is None else old + g
-        elif old is None or (pos < self.split_grad0 and pos not in self.owned[rank]):
+        elif pos < self.split_grad0 and pos not in self.owned[rank]:
           grads[pos] = filler(self.grad_positions[pos])
         else:
-          grads[pos] = old
+          grads[pos] = _zeros(self.grad_positions[pos]) if old is None else old
       return keep, rounds, grads, loss
 
     return run

@@ -237,3 +237,10 @@ def test_rolled_steady_state(schedule, stages, dp, zero, tied):
   w = step.rolled
   assert w is not None and w.iters >= 2, w
   assert "while" in step.lower(state, _batch(16 * dp)).as_text()
+
+
+def test_pipeline_microbatch_shaped_like_a_weight():
+  # Microbatches of 16 rows make [16, 16] activations, the shape of the stages' weights:
+  # output positions shared by shape must still start each rank's gradient sums at zero.
+  loss, params = _mlp(4)
+  assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "dualpipev"), batch_size=64)
