@@ -86,38 +86,38 @@ def _same_shape(prog: Any, t: int, u: int, mbs: int) -> bool:
              for (ra, pa, wa), (rb, pb, wb) in zip(ia["rounds"], ib["rounds"]))
 
 
-def _reads(prog: Any, t: int):
+def _reads(prog: Any, t: int) -> list[tuple]:
   """(value key, rank, location or None) of every read by tick t's tasks."""
-  for rank, xs in enumerate(prog.plan.ticks[t]):
-    for x in xs:
-      for key in prog._reads(x):
-        yield key, rank, prog.loc.get((key, rank))
+  return [(key, rank, prog.loc.get((key, rank))) for rank, xs in enumerate(prog.plan.ticks[t])
+          for x in xs for key in prog._reads(x)]
 
 
-def _same_reads(prog: Any, t: int, u: int, mbs: int) -> bool:
+def _farthest(reads: list[tuple], t: int) -> int:
+  """How many ticks back tick t (with `reads`) reads its oldest value; 0 if none."""
+  return max((t - loc[1] for _, _, loc in reads if loc is not None and loc[1] < t), default=0)
+
+
+def _same_reads(prog: Any, reads: list, t: int, u: int, mbs: int) -> bool:
   """Whether tick u reads each value from where tick t read its counterpart, u - t later."""
-  for key, rank, a in _reads(prog, t):
+  for key, rank, a in reads[t]:
     b = prog.loc.get((_shift_key(key, mbs), rank))
     if (a is None) != (b is None) or (a is not None and shift_loc(a, u - t) != b):
       return False
   return True
 
 
-def _distances(prog: Any, t: int) -> list[int]:
-  return [t - loc[1] for _, _, loc in _reads(prog, t) if loc is not None and loc[1] < t]
-
-
-def _fit(prog: Any, start: int, end: int, period: int, mbs: int, regular: int,
-         min_iters: int) -> Window | None:
+def _fit(prog: Any, reads: list, far: list, start: int, end: int, period: int, mbs: int,
+         regular: int, min_iters: int) -> Window | None:
   """The loop over ticks [start, end) that removes the most ticks; they repeat every
-  `period` ticks with `mbs` microbatches' shift and read regularly from tick `regular`."""
+  `period` ticks with `mbs` microbatches' shift and read regularly from tick `regular`.
+  `reads[t]` and `far[t]` are `_reads` and `_farthest` of tick t."""
   best = None
   for length in range(period, (end - start) // min_iters + 1, period):
     if start + length < regular:
       continue  # the second iteration's reads would not repeat
-    if any(d > length for t in range(start + length, end) for d in _distances(prog, t)):
+    if max(far[start + length:end], default=0) > length:
       continue  # a value would cross more than one iteration
-    w = _loop_of(prog, start, end, length, mbs * length // period, min_iters)
+    w = _loop_of(prog, reads, start, end, length, mbs * length // period, min_iters)
     if w and (best is None or _saved(w) > _saved(best)):
       best = w
   return best
@@ -127,19 +127,18 @@ def _saved(w: Window) -> int:
   return (w.iters - 1) * w.length
 
 
-def _loop_of(prog: Any, start: int, end: int, length: int, shift: int,
+def _loop_of(prog: Any, reads: list, start: int, end: int, length: int, shift: int,
              min_iters: int) -> Window | None:
   """The most iterations of ticks [start, start + length) within [start, end)."""
-  n = len(prog.plan.ticks)
   for iters in range((end - start) // length, min_iters - 1, -1):
     stop = start + iters * length
-    later = {loc for t in range(stop, n) for _, _, loc in _reads(prog, t)
+    later = {loc for t in range(stop, len(reads)) for _, _, loc in reads[t]
              if loc is not None and start <= loc[1] < stop}
     if any(loc[1] < stop - length for loc in later):
       continue  # a value of an earlier iteration is read after the loop
     body, entry = {}, {}
     for t in range(start, start + length):
-      for key, rank, real in _reads(prog, t):
+      for key, rank, real in reads[t]:
         nxt = prog.loc.get((_shift_key(key, shift), rank))
         if (real is None) != (nxt is None):
           return None
@@ -165,6 +164,8 @@ def _loop_of(prog: Any, start: int, end: int, length: int, shift: int,
 def find_window(prog: Any, min_iters: int = 2, max_period: int = 4) -> Window | None:
   """The steady-state window that removes the most ticks from the unrolled program."""
   n = len(prog.plan.ticks)
+  reads = [_reads(prog, t) for t in range(n)]
+  far = [_farthest(r, t) for t, r in enumerate(reads)]
   best = None
   for period in range(1, max_period + 1):
     t = 0
@@ -177,10 +178,10 @@ def find_window(prog: Any, min_iters: int = 2, max_period: int = 4) -> Window | 
       while e + 1 + period < n and _same_shape(prog, e + 1, e + 1 + period, mbs):
         e += 1
       regular = e + 1  # reads repeat from tick `regular` on
-      while regular > t and _same_reads(prog, regular - 1, regular - 1 + period, mbs):
+      while regular > t and _same_reads(prog, reads, regular - 1, regular - 1 + period, mbs):
         regular -= 1
       for start in range(t, regular + 1):
-        w = _fit(prog, start, e + period + 1, period, mbs, regular, min_iters)
+        w = _fit(prog, reads, far, start, e + period + 1, period, mbs, regular, min_iters)
         if w and (best is None or _saved(w) > _saved(best)):
           best = w
       t = e + 1
