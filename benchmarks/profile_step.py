@@ -22,6 +22,24 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _union(events) -> list[tuple[float, float]]:
+  out: list[list[float]] = []
+  for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+    if out and a <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], b)
+    else:
+      out.append([a, b])
+  return [(a, b) for a, b in out]
+
+
+def _overlap(events, others) -> float:
+  """Time (us) the spans of `events` overlap the union of `others`' spans."""
+  busy, total = _union(others), 0.0
+  for a, b in _union(events):
+    total += sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy if x < b and y > a)
+  return total
+
+
 def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> str:
   """A text summary of GPU `gpu`'s kernels in a Perfetto JSON trace.
 
@@ -52,11 +70,15 @@ def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> s
     by_name[key][0] += e["dur"]
     by_name[key][1] += 1
   short = [e["dur"] for e in kernels if e["dur"] < 10]
+  nccl = [e for e in kernels if "nccl" in e["name"].lower()]
+  hidden = _overlap(nccl, [e for e in kernels if "nccl" not in e["name"].lower()])
   lines = [f"GPU:{gpu} {len(kernels)} kernels over {wall / 1e3:.1f} ms: busy {busy / 1e3:.1f} ms "
            f"({100 * busy / wall:.0f}%), {len(short)} kernels under 10 us ({sum(short) / 1e3:.1f} ms)",
            "largest idle gaps (us): " + ", ".join(f"{g:.0f}" for g in sorted(gaps)[-8:][::-1]),
            f"idle gaps over 50 us: {sum(g for g in gaps if g > 50) / 1e3:.1f} ms in "
-           f"{sum(g > 50 for g in gaps)}"]
+           f"{sum(g > 50 for g in gaps)}",
+           f"NCCL kernels {sum(e['dur'] for e in nccl) / 1e3:.1f} ms, of which beside other "
+           f"kernels {hidden / 1e3:.1f} ms"]
   for name, (dur, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
     lines.append(f"  {dur / 1e3:8.1f} ms {100 * dur / busy:5.1f}% x{count:<6d} {name}")
   if named:

@@ -41,6 +41,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -127,7 +128,8 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
 
   base, *mods = variant.split("+")
   pipe = parse_pipeline(base, zero)
-  n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else 1
+  regions = [int(m[1:]) for m in mods if re.fullmatch(r"r\d+", m)]  # "+r4": DP over 4 regions
+  n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
   config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods, attention=attention)
   net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
   if base in BASELINES:
@@ -340,8 +342,8 @@ def main(argv=None):
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
     base, *mods = v.split("+")
-    if set(mods) - {"ep", "even", "bf16", "rbf16", "roll"}:
-      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even, +bf16, +rbf16 and +roll")
+    if {m for m in mods if not re.fullmatch(r"r\d+", m)} - {"ep", "even", "bf16", "rbf16", "roll"}:
+      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even, +bf16, +rbf16, +roll and +rK")
     if base in BASELINES and set(mods) - {"bf16"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
