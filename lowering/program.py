@@ -77,6 +77,16 @@ class Program:
     self.mbs = self.model.batch_size
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
+    # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
+    # are cast once per step, or all-gathered in that dtype under ZeRO-3, instead of
+    # being cast again from fp32 in every task that reads them.
+    casts = {p: dt for p, dt in self.traced.param_casts().items() if p not in layout.split}
+    self.cast_to = {}
+    for dt in layout.dtypes:
+      targets = [to for p, to in casts.items() if layout.home[p].dtype == dt]
+      if targets:
+        self.cast_to[dt] = max(set(targets), key=targets.count)
+    self.cast = {p for p, to in casts.items() if self.cast_to.get(layout.home[p].dtype) == to}
     self._plan_grads()
     self._plan_values()
     self.window = find_window(self) if roll else None
@@ -242,6 +252,10 @@ class Program:
   def body(self, params: dict, batch: list):
     """One training step on local shards -> (grads like params, summed mean loss)."""
     st = _State()
+    if self.layout.zero < 3 and self.cast_to:
+      params = dict(params, cast={
+          kind: {dt: params[kind][dt].astype(to) for dt, to in self.cast_to.items()}
+          for kind in ("slots", "shared")})
     w, t = self.window, 0
     while t < len(self.plan.ticks):
       if w is not None and t == w.start:
@@ -266,12 +280,17 @@ class Program:
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
     # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
     read = {p for ts in tick for t in ts for p in self.model.regions[t.region].params}
-    slots = sorted({layout.home[p].slot for p in read if p not in layout.split})
     if zero == 3:
-      segs = {(s, dt): lax.all_gather(layout.local_chunk(params, s, dt), axes, tiled=True)
-              for s in slots for dt in layout.dtypes if layout.segment_size(s, dt)}
+      need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
+      for p in read - set(layout.split):
+        need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in self.cast)
+      gather = lambda s, dt, to: lax.all_gather(layout.local_chunk(params, s, dt).astype(to),
+                                                axes, tiled=True)
+      segs = {key: gather(*key, key[1]) for key, kinds in need.items() if False in kinds}
+      cast = {key: gather(*key, self.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
     else:
-      segs = None
+      segs, cast = None, params.get("cast")
+      params = {k: v for k, v in params.items() if k != "cast"}
     split = self._split_pieces(params["split"], read)
     reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                     for key in self._reads(t)
@@ -283,7 +302,7 @@ class Program:
       if pos in sums:
         acc_in[pos] = sums[pos]
     operands = {"arrays": {k: st.arrays[k] for k in reads},
-                "params": params if segs is None else segs, "split": split,
+                "params": params if segs is None else segs, "cast": cast, "split": split,
                 "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
     branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
                 for rank in range(plan.n_ranks)]
@@ -454,17 +473,20 @@ class Program:
 
       seg_cache = {}
 
-      def segment(slot, dt):
-        if (slot, dt) not in seg_cache:
-          seg_cache[(slot, dt)] = (ops["params"][(slot, dt)] if gathered
-                                   else layout.local_segment(ops["params"], slot, dt))
-        return seg_cache[(slot, dt)]
+      def segment(slot, dt, cast):
+        if (slot, dt, cast) not in seg_cache:
+          src = ops["cast"] if cast else ops["params"]
+          seg_cache[(slot, dt, cast)] = (src[(slot, dt)] if gathered
+                                         else layout.local_segment(src, slot, dt))
+        return seg_cache[(slot, dt, cast)]
 
       def param(p):
         if p in layout.split:
           return layout.local_piece({"split": ops["split"]}, p)
         h = layout.home[p]
-        return layout.leaf(segment(h.slot, h.dtype), h)
+        if p in self.cast:  # the model's own cast of this turns it back into the cast copy
+          return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
+        return layout.leaf(segment(h.slot, h.dtype, False), h)
 
       def batch_mb(r, m):
         return [lax.dynamic_slice_in_dim(ops["batch"][i], (m + ops["shift"]) * self.mbs,

@@ -204,6 +204,32 @@ class TracedLoss:
     eval_eqns(reg.eqns, env)
     return [env[v] for v in reg.out_vars]
 
+  def param_casts(self) -> dict[int, str]:
+    """Parameters the loss only ever reads as one narrower float dtype, e.g. fp32 master
+    weights that every use casts to bf16: {parameter index: that dtype's name}.
+
+    Such a parameter may be cast once per step and read as `x.astype(bf16).astype(fp32)`
+    everywhere, which the model's own cast turns back into exactly `x.astype(bf16)`.
+    """
+    uses: dict[Var, set] = {v: set() for v in self.param_vars}
+    for r in self.regions:
+      for e in r.eqns:
+        for v in e.invars:
+          if isinstance(v, Literal) or v not in uses:
+            continue
+          to = e.params.get("new_dtype") if e.primitive.name == "convert_element_type" else None
+          uses[v].add(None if to is None else jnp.dtype(to))
+    returned = {v for r in self.regions for v in r.out_vars}
+    out = {}
+    for i, v in enumerate(self.param_vars):
+      dt = jnp.dtype(v.aval.dtype)
+      if len(uses[v]) == 1 and None not in uses[v] and v not in returned:
+        to = next(iter(uses[v]))
+        if (jnp.issubdtype(dt, jnp.floating) and jnp.issubdtype(to, jnp.floating)
+            and to.itemsize < dt.itemsize):
+          out[i] = to.name
+    return out
+
   def loss_output(self) -> int:
     """Which output of the loss region is the loss."""
     return self.regions[self.loss_region].out_vars.index(self.loss_var)

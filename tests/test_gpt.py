@@ -1,5 +1,7 @@
 """The example GPT (Flax) trains to the same numbers under pipelines x ZeRO as on one device."""
 
+import re
+
 import jax
 import pytest
 
@@ -109,3 +111,44 @@ def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
   assert len(ad.stored) + len(recomputed) <= len(ad.alias)
   import numpy as np
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_bf16_weight_copies_made_once(zero, monkeypatch):
+  # fp32 master weights that the model only reads as bf16 are cast once per step (ZeRO-3:
+  # all-gathered as bf16) instead of in every task; the numbers do not change.
+  import jax.numpy as jnp
+  import numpy as np
+  import models
+  from piper_jax.lowering.trace import TracedLoss
+  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2, n_stages=2,
+                         dtype=jnp.bfloat16)
+  model = gpt.GPT(config)
+  params = gpt.init_params(model, jax.random.PRNGKey(0))
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  batches = [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
+  tx, loss_fn = models.optimizer(), gpt.loss_fn(model)
+  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=zero)
+  losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
+  names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+  cast = {names[p] for p in step._program.cast}
+  assert "['block_0']['attn']['qkv']['kernel']" in cast
+  assert not any("ln" in n for n in cast)  # LayerNorm computes in fp32 from its fp32 params
+  if zero == 3:
+    hlo = step.lower(state, batches[0]).as_text()
+    assert re.search(r"all_gather.*xbf16>", hlo)
+  monkeypatch.setattr(TracedLoss, "param_casts", lambda self: {})
+  plain, want, plain_step, _ = models.piper_run(loss_fn, params, batches, tx, directives)
+  assert not plain_step._program.cast
+  np.testing.assert_allclose(losses, plain, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                         got, want)
+  ref, _ = models.reference_run(loss_fn, params, batches, tx)
+  np.testing.assert_allclose(losses, ref, rtol=2e-2)
+
+
+def test_fp32_model_has_no_weight_casts():
+  config, loss, params = _gpt(2)
+  batch = gpt.random_batch(config, jax.random.PRNGKey(0), 4)
+  from piper_jax.lowering.trace import trace_loss
+  assert trace_loss(loss, params, batch).param_casts() == {}
