@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
                  help="dtype of the data-parallel gradient reductions (default: the parameters')")
+  p.add_argument("--bucket-mb", type=float, default=None,
+                 help="dp: all-reduce gradients in buckets of this many MB (replicate's bucket_mb)")
   p.add_argument("--roll", action="store_true",
                  help="compile the schedule's steady state as one loop (pj.compile(roll=True))")
   p.add_argument("--lr", type=float, default=1e-3)
@@ -135,8 +137,8 @@ def _base_strategy(args, n_devices: int):
       raise UsageError(
           f"--batch {args.batch} must be divisible by the {n_devices} devices "
           f"of data parallelism")
-    return (pj.strategies.data_parallel(n_devices, zero=zero, reduce_dtype=args.reduce_dtype),
-            n_devices, 1)
+    return (pj.strategies.data_parallel(n_devices, zero=zero, reduce_dtype=args.reduce_dtype,
+                                        bucket_mb=args.bucket_mb), n_devices, 1)
 
   schedule = args.strategy[len("pp-"):]
   # Interleaved and DualPipeV hold two stages per pipeline rank.

@@ -187,13 +187,14 @@ def _bf16_reduced_grads(loss, params, batch, n_dp):
   return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), total)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_reduce_dtype_bf16(zero):
+@pytest.mark.parametrize("zero,bucket_mb", [(0, None), (0, 0.001), (1, None), (3, None)])
+def test_reduce_dtype_bf16(zero, bucket_mb):
   # replicate(reduce_dtype="bfloat16"): every replica's gradient is rounded to bf16 and
   # the sum is taken in bf16 - what reducing per-replica jax.grad results so gives.
   loss, params = _mlp(2)
   batch = _batch()
-  directives = pj.strategies.data_parallel(2, zero=zero, reduce_dtype="bfloat16")
+  directives = pj.strategies.data_parallel(2, zero=zero, reduce_dtype="bfloat16",
+                                           bucket_mb=bucket_mb)
   _, sgd_params, step, state = piper_run(loss, params, [batch], optax.sgd(1.0), directives,
                                          devices=jax.devices()[:2])
   want = _bf16_reduced_grads(loss, params, batch, 2)
@@ -208,6 +209,7 @@ def test_reduce_dtype_bf16(zero):
   assert not all(np.allclose(np.asarray(p - q), np.asarray(e), rtol=1e-6, atol=0)
                  for p, q, e in zip(*map(jax.tree_util.tree_leaves, (params, sgd_params, exact))))
   assert "bf16" in step.lower(state, batch).as_text()
+  assert bool(step._program.buckets) == (bucket_mb is not None)
 
 
 def test_reduce_dtype_bf16_pipeline_zero2():
