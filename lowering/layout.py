@@ -22,6 +22,10 @@ __all__ = ["ParamLayout", "Home", "match_positions", "signature"]
 
 SHARED = -1  # the slot index of the buffer every rank holds (tied or unused parameters)
 SPLIT = -2   # the slot index of leaves split by shard / shard_tensor (kept unpacked)
+# A region's leaves of one dtype fill slots of at most this many bytes (a larger leaf
+# gets a slot of its own): every slot is its own buffer, so the optimizer updates one
+# slot while another's gradients are still being reduced.
+SLOT_BYTES = 64 << 20
 
 
 def signature(aval) -> tuple:
@@ -64,6 +68,40 @@ def _whole(x: jax.Array, dim: int) -> jax.Array:
   return x.reshape(s[:dim] + (s[dim] * s[dim + 1],) + s[dim + 2:])
 
 
+def _fill_slots(leaves: Sequence[tuple]) -> tuple[list[tuple[int, int]], int]:
+  """Slots and offsets of packed leaves, given per leaf (rank, group, dtype, size); rank
+  None: the SHARED segment; a group is (region slot, cast or not).
+
+  A group's leaves of one dtype fill parts of at most SLOT_BYTES in order (a larger
+  leaf gets a part of its own). A group's parts on different ranks share slot indices
+  largest with largest, so that little of a slot's buffer is padding on the ranks with
+  smaller parts. Returns per leaf (slot, offset) and the number of slots.
+  """
+  fill: dict[tuple, int] = {}   # (rank, (group, part) or SHARED, dtype) -> elements
+  last: dict[tuple, int] = {}   # (rank, group, dtype) -> its last part
+  where = []
+  for rank, j, dt, size in leaves:
+    if rank is None:
+      key = (None, SHARED, dt)
+    else:
+      k = last.setdefault((rank, j, dt), 0)
+      n = fill.get((rank, (j, k), dt), 0)
+      if n and n + size > SLOT_BYTES // jnp.dtype(dt).itemsize:
+        k = last[(rank, j, dt)] = k + 1
+      key = (rank, (j, k), dt)
+    where.append((key, fill.get(key, 0)))
+    fill[key] = fill.get(key, 0) + size
+  parts: dict[tuple, list] = {}
+  for (rank, part, dt), n in fill.items():
+    if part != SHARED:
+      parts.setdefault((rank, part[0], dt), []).append((-n, part))
+  rename = {(rank, part, dt): (j, i) for (rank, j, dt), ps in parts.items()
+            for i, (_, part) in enumerate(sorted(ps))}
+  ids = {x: i for i, x in enumerate(sorted(set(rename.values())))}
+  return ([(SHARED if key[1] == SHARED else ids[rename[key]], off) for key, off in where],
+          max(len(ids), 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Home:
   """Where a parameter leaf lives: a slot of a rank (or SHARED), an offset in its segment."""
@@ -79,15 +117,18 @@ class Home:
 class ParamLayout:
   """Parameter leaves packed per (pipeline rank, slot, dtype), in dp-sized chunks.
 
-  Slot j of rank i holds the leaves of the j-th region placed on rank i (leaves
-  read on several ranks go to the SHARED segment that every rank holds). A
+  The leaves of the j-th region placed on rank i fill slots (j, 0), (j, 1), ... of
+  rank i, each of at most SLOT_BYTES; slots are numbered across ranks in that order
+  (leaves read on several ranks go to the SHARED segment that every rank holds). A
   segment is padded to `n_dp * chunk` and stored as `n_dp` chunks, so that ZeRO-3
-  shards it by keeping one chunk per replica. Buffers per dtype:
-  `slots[dtype]`: [n_pp, n_dp, L] and `shared[dtype]`: [n_dp, C_shared].
+  shards it by keeping one chunk per replica. Buffers per dtype: `slots[dtype]`, a
+  list with one [n_pp, n_dp, chunk] array per slot of `slot_ids[dtype]`, and
+  `shared[dtype]`: [n_dp, C_shared].
   """
 
   def __init__(self, model: ModelSpec, plan: Plan,
-               split: dict[int, tuple[int, str]] | None = None):
+               split: dict[int, tuple[int, str]] | None = None,
+               casts: dict[int, str] | None = None):
     mesh = plan.mesh
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
     self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
@@ -97,14 +138,21 @@ class ParamLayout:
     self.split = {p: d for p, (d, _) in (split or {}).items()}   # leaf -> split dimension
     self.split_kind = {p: k for p, (_, k) in (split or {}).items()}  # leaf -> "ep" | "tp"
     self.params = model.params
-    self.slot_of_region: dict[int, int] = {}
+    # Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
+    # once per step: one target per dtype (the commonest), in slots of their own.
+    casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
+    self.cast_to: dict[str, str] = {}
+    for dt in sorted({model.params[p].dtype for p in casts}):
+      targets = [to for p, to in casts.items() if model.params[p].dtype == dt]
+      self.cast_to[dt] = max(sorted(set(targets)), key=targets.count)
+    self.cast = {p for p, to in casts.items() if self.cast_to[model.params[p].dtype] == to}
+    region_slot: dict[int, int] = {}
     for rank in range(self.n_pp):
       for j, r in enumerate(plan.rank_regions(rank)):
-        self.slot_of_region[r] = j
-    self.n_slots = max((j + 1 for j in self.slot_of_region.values()), default=1)
+        region_slot[r] = j
     users = model.param_users()
-    fill: dict[tuple[int | None, int, str], int] = {}
-    self.home: list[Home] = []
+    homes: dict[int, Home] = {}
+    packed: list[tuple] = []   # (leaf, rank or None for SHARED, region slot, dtype, size)
     split_vals: dict[str, dict[int, list]] = {k: {r: [] for r in range(self.n_pp)}
                                               for k in self.group_size}
     for p, spec in enumerate(model.params):
@@ -118,16 +166,16 @@ class ParamLayout:
         piece[self.split[p]] //= self.group_size[kind]
         split_vals[kind][rank].append(
             (p, jax.ShapeDtypeStruct(tuple(piece), jnp.dtype(spec.dtype))))
-        self.home.append(Home(rank, SPLIT, spec.dtype, 0, spec.size, spec.shape))
-        continue
-      if len(ranks) == 1:
-        rank, slot = ranks.pop(), self.slot_of_region[users[p][0]]
+        homes[p] = Home(rank, SPLIT, spec.dtype, 0, spec.size, spec.shape)
+      elif len(ranks) == 1:
+        group = (region_slot[users[p][0]], p in self.cast)
+        packed.append((p, ranks.pop(), group, spec.dtype, spec.size))
       else:
-        rank, slot = None, SHARED
-      key = (rank, slot, spec.dtype)
-      off = fill.get(key, 0)
-      fill[key] = off + spec.size
-      self.home.append(Home(rank, slot, spec.dtype, off, spec.size, spec.shape))
+        packed.append((p, None, None, spec.dtype, spec.size))
+    placed, self.n_slots = _fill_slots([x[1:] for x in packed])
+    for (p, rank, _, dt, size), (slot, off) in zip(packed, placed):
+      homes[p] = Home(rank, slot, dt, off, size, model.params[p].shape)
+    self.home: list[Home] = [homes[p] for p in range(len(model.params))]
     # Positions of split leaves' arrays, shared across ranks by shape, per kind:
     # (piece shape, dtype, kind).
     self.split_positions: list[tuple] = []
@@ -139,17 +187,15 @@ class ParamLayout:
     self.dtypes = sorted({s.dtype for p, s in enumerate(model.params) if p not in self.split})
     # Chunk size of a (slot, dtype) segment: the largest over ranks, split n_dp ways.
     self.chunk: dict[tuple[int, str], int] = {}
-    for (rank, slot, dt), n in fill.items():
-      c = math.ceil(n / self.n_dp)
-      self.chunk[(slot, dt)] = max(self.chunk.get((slot, dt), 0), c)
-    self.slot_offset: dict[tuple[int, str], int] = {}
-    self.width: dict[str, int] = {}
-    for dt in self.dtypes:
-      off = 0
-      for j in range(self.n_slots):
-        self.slot_offset[(j, dt)] = off
-        off += self.chunk.get((j, dt), 0)
-      self.width[dt] = max(off, 1)
+    for h in self.home:
+      if h.slot != SPLIT:
+        c = math.ceil((h.offset + h.size) / self.n_dp)
+        self.chunk[(h.slot, h.dtype)] = max(self.chunk.get((h.slot, h.dtype), 0), c)
+    # The slots that hold leaves of each dtype, in the order of `slots[dtype]`.
+    self.slot_ids = {dt: [j for j in range(self.n_slots) if self.chunk.get((j, dt), 0)]
+                     for dt in self.dtypes}
+    self.cast_slots = {(h.slot, h.dtype) for p, h in enumerate(self.home) if p in self.cast}
+    self._index = {(j, dt): i for dt, js in self.slot_ids.items() for i, j in enumerate(js)}
     self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
 
   # -- shapes and shardings -------------------------------------------------
@@ -161,7 +207,8 @@ class ParamLayout:
 
   def shapes(self) -> dict:
     return {
-        "slots": {dt: jax.ShapeDtypeStruct((self.n_pp, self.n_dp, self.width[dt]), jnp.dtype(dt))
+        "slots": {dt: [jax.ShapeDtypeStruct((self.n_pp, self.n_dp, self.chunk[(j, dt)]),
+                                            jnp.dtype(dt)) for j in self.slot_ids[dt]]
                   for dt in self.dtypes},
         "shared": {dt: jax.ShapeDtypeStruct((self.n_dp, self.shared_chunk[dt]), jnp.dtype(dt))
                    for dt in self.dtypes},
@@ -191,7 +238,7 @@ class ParamLayout:
       if d is not None:
         dims[d] = self.copies[kind][0]
       split.append(P("pp", kind, *dims))
-    return {"slots": {dt: P("pp", dp, None) for dt in self.dtypes},
+    return {"slots": {dt: [P("pp", dp, None)] * len(self.slot_ids[dt]) for dt in self.dtypes},
             "shared": {dt: P(dp, None) for dt in self.dtypes},
             "split": split}
 
@@ -210,13 +257,8 @@ class ParamLayout:
     leaves = [jnp.asarray(x) for x in leaves]
     slots, shared = {}, {}
     for dt in self.dtypes:
-      ranks = []
-      for rank in range(self.n_pp):
-        cols = [self._segment(leaves, rank, j, dt) for j in range(self.n_slots)
-                if self.chunk.get((j, dt), 0)]
-        row = jnp.concatenate(cols, axis=1) if cols else jnp.zeros((self.n_dp, 0), jnp.dtype(dt))
-        ranks.append(jnp.pad(row, ((0, 0), (0, self.width[dt] - row.shape[1]))))
-      slots[dt] = jnp.stack(ranks)
+      slots[dt] = [jnp.stack([self._segment(leaves, rank, j, dt) for rank in range(self.n_pp)])
+                   for j in self.slot_ids[dt]]
       shared[dt] = self._segment(leaves, None, SHARED, dt)
     split = []
     for pos, (shape, dt, kind) in enumerate(self.split_positions):
@@ -237,9 +279,10 @@ class ParamLayout:
         continue
       if h.slot == SHARED:
         seg = buffers["shared"][h.dtype].reshape(-1)
+      elif h.size == 0:
+        seg = jnp.zeros((0,), jnp.dtype(h.dtype))
       else:
-        off, c = self.slot_offset[(h.slot, h.dtype)], self.chunk[(h.slot, h.dtype)]
-        seg = buffers["slots"][h.dtype][h.rank, :, off:off + c].reshape(-1)
+        seg = buffers["slots"][h.dtype][self._index[(h.slot, h.dtype)]][h.rank].reshape(-1)
       out.append(seg[h.offset:h.offset + h.size].reshape(h.shape))
     return out
 
@@ -249,15 +292,17 @@ class ParamLayout:
     """A whole (slot, dtype) segment from unsharded local buffers (ZeRO 0-2)."""
     if slot == SHARED:
       return local["shared"][dt].reshape(-1)
-    off, c = self.slot_offset[(slot, dt)], self.chunk[(slot, dt)]
-    return local["slots"][dt][0, :, off:off + c].reshape(-1)
+    if (slot, dt) not in self._index:  # only empty leaves
+      return jnp.zeros((0,), jnp.dtype(dt))
+    return local["slots"][dt][self._index[(slot, dt)]][0].reshape(-1)
 
   def local_chunk(self, local: dict, slot: int, dt: str) -> jax.Array:
     """This replica's chunk of a (slot, dtype) segment from ZeRO-3 local buffers."""
     if slot == SHARED:
       return local["shared"][dt].reshape(-1)
-    off, c = self.slot_offset[(slot, dt)], self.chunk[(slot, dt)]
-    return local["slots"][dt][0, 0, off:off + c]
+    if (slot, dt) not in self._index:  # only empty leaves
+      return jnp.zeros((0,), jnp.dtype(dt))
+    return local["slots"][dt][self._index[(slot, dt)]][0, 0]
 
   def local_piece(self, local: dict, p: int) -> jax.Array:
     """This device's piece of split leaf `p`."""

@@ -79,14 +79,8 @@ class Program:
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
     # are cast once per step, or all-gathered in that dtype under ZeRO-3, instead of
-    # being cast again from fp32 in every task that reads them.
-    casts = {p: dt for p, dt in self.traced.param_casts().items() if p not in layout.split}
-    self.cast_to = {}
-    for dt in layout.dtypes:
-      targets = [to for p, to in casts.items() if layout.home[p].dtype == dt]
-      if targets:
-        self.cast_to[dt] = max(set(targets), key=targets.count)
-    self.cast = {p for p, to in casts.items() if self.cast_to.get(layout.home[p].dtype) == to}
+    # being cast again from fp32 in every task that reads them (`layout.cast`).
+    self.cast, self.cast_to = layout.cast, layout.cast_to
     self._plan_grads()
     self._plan_values()
     self.window = find_window(self) if roll else None
@@ -252,10 +246,14 @@ class Program:
   def body(self, params: dict, batch: list):
     """One training step on local shards -> (grads like params, summed mean loss)."""
     st = _State()
-    if self.layout.zero < 3 and self.cast_to:
+    layout = self.layout
+    if layout.zero < 3 and self.cast_to:  # the cast copies of the slots that hold cast leaves
       params = dict(params, cast={
-          kind: {dt: params[kind][dt].astype(to) for dt, to in self.cast_to.items()}
-          for kind in ("slots", "shared")})
+          "slots": {dt: [x.astype(to) if (j, dt) in layout.cast_slots else None
+                         for j, x in zip(layout.slot_ids[dt], params["slots"][dt])]
+                    for dt, to in self.cast_to.items()},
+          "shared": {dt: params["shared"][dt].astype(to) for dt, to in self.cast_to.items()
+                     if (SHARED, dt) in layout.cast_slots}})
     w, t = self.window, 0
     while t < len(self.plan.ticks):
       if w is not None and t == w.start:
@@ -286,8 +284,10 @@ class Program:
         need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in self.cast)
       gather = lambda s, dt, to: lax.all_gather(layout.local_chunk(params, s, dt).astype(to),
                                                 axes, tiled=True)
+      # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
       segs = {key: gather(*key, key[1]) for key, kinds in need.items() if False in kinds}
-      cast = {key: gather(*key, self.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
+      cast = {key: segs[key].astype(self.cast_to[key[1]]) if key in segs
+              else gather(*key, self.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
     else:
       segs, cast = None, params.get("cast")
       params = {k: v for k, v in params.items() if k != "cast"}
@@ -612,12 +612,8 @@ class Program:
     layout = self.layout
     out = {"slots": {}, "shared": {}}
     for dt in layout.dtypes:
-      cols = [self._reduce(grads.get((j, dt)), layout.chunk[(j, dt)], dt)
-              for j in range(layout.n_slots) if layout.chunk.get((j, dt), 0)]
-      rows = layout.n_dp if layout.zero == 0 else 1
-      row = jnp.concatenate(cols, axis=1) if cols else jnp.zeros((rows, 0), jnp.dtype(dt))
-      pad = layout.width[dt] - row.shape[1]
-      out["slots"][dt] = jnp.pad(row, ((0, 0), (0, pad)))[None]
+      out["slots"][dt] = [self._reduce(grads.get((j, dt)), layout.chunk[(j, dt)], dt)[None]
+                          for j in layout.slot_ids[dt]]
       shared = grads.get((SHARED, dt))
       shared = None if shared is None else lax.psum(shared, "pp")  # tied: summed over ranks
       out["shared"][dt] = self._reduce(shared, layout.shared_chunk[dt], dt)

@@ -219,11 +219,10 @@ class TracedLoss:
             continue
           to = e.params.get("new_dtype") if e.primitive.name == "convert_element_type" else None
           uses[v].add(None if to is None else jnp.dtype(to))
-    returned = {v for r in self.regions for v in r.out_vars}
     out = {}
     for i, v in enumerate(self.param_vars):
       dt = jnp.dtype(v.aval.dtype)
-      if len(uses[v]) == 1 and None not in uses[v] and v not in returned:
+      if len(uses[v]) == 1 and None not in uses[v]:
         to = next(iter(uses[v]))
         if (jnp.issubdtype(dt, jnp.floating) and jnp.issubdtype(to, jnp.floating)
             and to.itemsize < dt.itemsize):

@@ -101,7 +101,7 @@ class TrainStep:
     self.batch_size = batch_size
     self._traced = traced
     split = {p: (d, pm.sharded[r]) for r, dims in pm.split_dims.items() for p, d in dims.items()}
-    self._layout = layout = ParamLayout(traced.spec, plan, split)
+    self._layout = layout = ParamLayout(traced.spec, plan, split, traced.param_casts())
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
     runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
     self._program = Program(runner, plan, layout, roll=roll)
@@ -123,10 +123,8 @@ class TrainStep:
     # Optimizer state leaves shaped like a parameter buffer are partitioned like
     # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
     opt_spec_of = {}
-    for kind in ("slots", "shared"):
-      for dt, s in shapes[kind].items():
-        opt_spec_of.setdefault(s.shape, grad_specs[kind][dt])
-    for s, spec in zip(shapes["split"], grad_specs["split"]):
+    for s, spec in zip(jax.tree_util.tree_leaves(shapes),
+                       jax.tree_util.tree_leaves(grad_specs, is_leaf=lambda x: isinstance(x, P))):
       opt_spec_of.setdefault(s.shape, spec)
     opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
     self._opt_shardings = to_sharding(opt_specs)

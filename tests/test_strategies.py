@@ -246,3 +246,24 @@ def test_pipeline_microbatch_shaped_like_a_weight():
   # output positions shared by shape must still start each rank's gradient sums at zero.
   loss, params = _mlp(4)
   assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "dualpipev"), batch_size=64)
+
+
+@pytest.mark.parametrize("strategy", ["dp0", "dp1", "1f1b-dp2-z2", "1f1b-dp2-z3"])
+def test_regions_in_several_slots(strategy, monkeypatch):
+  # A region's leaves fill slots of at most SLOT_BYTES, each its own buffer (so the
+  # optimizer can update one while another's gradients are reduced); with 1 KiB slots
+  # the MLP's regions take several each.
+  from piper_jax.lowering import layout
+  monkeypatch.setattr(layout, "SLOT_BYTES", 1024)
+  loss, params = _mlp(2)
+  if strategy.startswith("dp"):
+    directives = pj.strategies.data_parallel(8, zero=int(strategy[2]))
+  else:
+    directives = pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=int(strategy[-1]))
+  step, state = assert_same_run(loss, params, directives)
+  per_rank = max(len(step.plan.rank_regions(r)) for r in range(step.plan.n_ranks))
+  assert step._layout.n_slots > per_rank
+  assert len(state.params["slots"]["float32"]) == step._layout.n_slots
+  back = step.from_canonical(step.canonical(state))
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                         back.params, state.params)
