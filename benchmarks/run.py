@@ -53,6 +53,8 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
          "pp-dualpipev")
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
+# The "+rK" suffix: a DP variant over K regions.
+_REGIONS = re.compile(r"r\d+")
 # Stages per pipeline rank.
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
 
@@ -128,7 +130,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
 
   base, *mods = variant.split("+")
   pipe = parse_pipeline(base, zero)
-  regions = [int(m[1:]) for m in mods if re.fullmatch(r"r\d+", m)]  # "+r4": DP over 4 regions
+  regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
   config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods, attention=attention)
   net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
@@ -342,7 +344,7 @@ def main(argv=None):
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
     base, *mods = v.split("+")
-    if {m for m in mods if not re.fullmatch(r"r\d+", m)} - {"ep", "even", "bf16", "rbf16", "roll"}:
+    if {m for m in mods if not _REGIONS.fullmatch(m)} - {"ep", "even", "bf16", "rbf16", "roll"}:
       raise ValueError(f"unknown suffix in {v!r}: use +ep, +even, +bf16, +rbf16, +roll and +rK")
     if base in BASELINES and set(mods) - {"bf16"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")

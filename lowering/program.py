@@ -77,10 +77,6 @@ class Program:
     self.mbs = self.model.batch_size
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
-    # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
-    # are cast once per step, or all-gathered in that dtype under ZeRO-3, instead of
-    # being cast again from fp32 in every task that reads them (`layout.cast`).
-    self.cast, self.cast_to = layout.cast, layout.cast_to
     self._plan_grads()
     self._plan_values()
     self.window = find_window(self) if roll else None
@@ -247,12 +243,15 @@ class Program:
     """One training step on local shards -> (grads like params, summed mean loss)."""
     st = _State()
     layout = self.layout
-    if layout.zero < 3 and self.cast_to:  # the cast copies of the slots that hold cast leaves
+    # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
+    # are cast once per step here, or all-gathered in that dtype per tick under ZeRO-3,
+    # instead of being cast again from fp32 in every task that reads them.
+    if layout.zero < 3 and layout.cast_to:  # the cast copies of the slots with cast leaves
       params = dict(params, cast={
           "slots": {dt: [x.astype(to) if (j, dt) in layout.cast_slots else None
                          for j, x in zip(layout.slot_ids[dt], params["slots"][dt])]
-                    for dt, to in self.cast_to.items()},
-          "shared": {dt: params["shared"][dt].astype(to) for dt, to in self.cast_to.items()
+                    for dt, to in layout.cast_to.items()},
+          "shared": {dt: params["shared"][dt].astype(to) for dt, to in layout.cast_to.items()
                      if (SHARED, dt) in layout.cast_slots}})
     w, t = self.window, 0
     while t < len(self.plan.ticks):
@@ -281,13 +280,13 @@ class Program:
     if zero == 3:
       need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
       for p in read - set(layout.split):
-        need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in self.cast)
+        need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in layout.cast)
       gather = lambda s, dt, to: lax.all_gather(layout.local_chunk(params, s, dt).astype(to),
                                                 axes, tiled=True)
       # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
       segs = {key: gather(*key, key[1]) for key, kinds in need.items() if False in kinds}
-      cast = {key: segs[key].astype(self.cast_to[key[1]]) if key in segs
-              else gather(*key, self.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
+      cast = {key: segs[key].astype(layout.cast_to[key[1]]) if key in segs
+              else gather(*key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
     else:
       segs, cast = None, params.get("cast")
       params = {k: v for k, v in params.items() if k != "cast"}
@@ -484,7 +483,7 @@ class Program:
         if p in layout.split:
           return layout.local_piece({"split": ops["split"]}, p)
         h = layout.home[p]
-        if p in self.cast:  # the model's own cast of this turns it back into the cast copy
+        if p in layout.cast:  # the model's own cast of this turns it back into the cast copy
           return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
         return layout.leaf(segment(h.slot, h.dtype, False), h)
 

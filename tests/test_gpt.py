@@ -91,20 +91,23 @@ def test_train_gpt_example_runs():
   assert len(losses) == 3 and all(l == l for l in losses) and losses[-1] < losses[0]
 
 
+def _bf16_gpt_run(monkeypatch):
+  """(loss, fp32 params, 2 batches of 8) of a 2-stage GPT that computes in bf16."""
+  import jax.numpy as jnp
+  import models
+  config, loss, params = _gpt(2, dtype=jnp.bfloat16)
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  return loss, params, [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
+
+
 def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
   # With bf16 compute, the bf16 copies of the weights (and the causal mask) are
   # recomputed in B from the parameters instead of being kept per microbatch.
-  import jax.numpy as jnp
   import models
-  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2, n_stages=2,
-                         dtype=jnp.bfloat16)
-  model = gpt.GPT(config)
-  params = gpt.init_params(model, jax.random.PRNGKey(0))
-  monkeypatch.setattr(models, "random_batch", _batches(config))
-  batches = [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
+  loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
   tx = models.optimizer()
-  ref, _ = models.reference_run(gpt.loss_fn(model), params, batches, tx)
-  losses, _, step, _ = models.piper_run(gpt.loss_fn(model), params, batches, tx,
+  ref, _ = models.reference_run(loss_fn, params, batches, tx)
+  losses, _, step, _ = models.piper_run(loss_fn, params, batches, tx,
                                         pj.strategies.pipeline(2, 2, "1f1b"))
   ad = step._program.ad[0]
   recomputed = [a for a in ad.alias if a and a[0] == "recompute"]
@@ -118,22 +121,16 @@ def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
 def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3: 1F1B x DP2
   # fp32 master weights that the model only reads as bf16 are cast once per step (ZeRO-3:
   # all-gathered as bf16) instead of in every task; the numbers do not change.
-  import jax.numpy as jnp
   import numpy as np
   import models
   from piper_jax.lowering.trace import TracedLoss
-  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2, n_stages=2,
-                         dtype=jnp.bfloat16)
-  model = gpt.GPT(config)
-  params = gpt.init_params(model, jax.random.PRNGKey(0))
-  monkeypatch.setattr(models, "random_batch", _batches(config))
-  batches = [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
-  tx, loss_fn = models.optimizer(), gpt.loss_fn(model)
+  loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
+  tx = models.optimizer()
   directives = (pj.strategies.data_parallel(8, zero=1) if zero == 1 else
                 pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=3))
   losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
-  cast = {names[p] for p in step._program.cast}
+  cast = {names[p] for p in step._layout.cast}
   assert "['block_0']['attn']['qkv']['kernel']" in cast
   assert not any("ln" in n for n in cast)  # LayerNorm computes in fp32 from its fp32 params
   if zero == 3:  # cast leaves sit in slots of their own, all-gathered in bf16 only
@@ -144,7 +141,7 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3:
     assert gathered["bf16"] > 20 * gathered["f32"], gathered
   monkeypatch.setattr(TracedLoss, "param_casts", lambda self: {})
   plain, want, plain_step, _ = models.piper_run(loss_fn, params, batches, tx, directives)
-  assert not plain_step._program.cast
+  assert not plain_step._layout.cast
   np.testing.assert_allclose(losses, plain, rtol=1e-6)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                          got, want)
