@@ -7,8 +7,8 @@ rank itself and one list per `ppermute` round for the values other ranks read.
 Gradients accumulate per leaf, unreduced over microbatches (added to the running sums
 inside the switch, so a tick writes each sum once), and are laid out into
 the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
-reduce-scattered per tick (ZeRO 2/3); ZeRO-3 gathers a slot's parameters before the
-switch. Expert-parallel regions exchange their tokens by all-to-all over "ep" before and
+reduce-scattered per tick (ZeRO 2/3); ZeRO-3 all-gathers the slots a tick reads one
+tick ahead, before the previous tick's switch. Expert-parallel regions exchange their tokens by all-to-all over "ep" before and
 after each pass; split weights' pieces (shard, shard_tensor) get their gradients
 reduced only over their copies (`_finish_split`).
 """
@@ -253,14 +253,19 @@ class Program:
                     for dt, to in layout.cast_to.items()},
           "shared": {dt: params["shared"][dt].astype(to) for dt, to in layout.cast_to.items()
                      if (SHARED, dt) in layout.cast_slots}})
-    w, t = self.window, 0
-    while t < len(self.plan.ticks):
+    w, t, n = self.window, 0, len(self.plan.ticks)
+    ahead = None
+    while t < n:
       if w is not None and t == w.start:
         self._loop(w, st, params, batch)
-        t = w.stop
-      else:
-        self._tick(t, st, params, batch, 0)
-        t += 1
+        t, ahead = w.stop, None
+        continue
+      # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
+      # can run beside it (prefetched one tick ahead).
+      gathered, ahead = ahead, (self._gather(t + 1, params) if layout.zero == 3 and t + 1 < n
+                                and (w is None or t + 1 != w.start) else None)
+      self._tick(t, st, params, batch, 0, gathered=gathered)
+      t += 1
     acc = st.acc
     if self.layout.zero < 2:
       acc = self._assemble(acc, None if self.buckets else self.reduce_dtype) if acc else {}
@@ -268,25 +273,38 @@ class Program:
     out["split"] = self._finish_split(st.split_acc)
     return out, lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
 
-  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None):
+  def _read(self, tick_i: int) -> set[int]:
+    """The parameter leaves tick `tick_i` reads."""
+    return {p for ts in self.plan.ticks[tick_i] for t in ts
+            for p in self.model.regions[t.region].params}
+
+  def _gather(self, tick_i: int, params: dict) -> tuple[dict, dict]:
+    """ZeRO-3: the whole (slot, dtype) segments tick `tick_i` reads, all-gathered over
+    the data axes, as (segments, cast segments)."""
+    layout = self.layout
+    need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
+    for p in self._read(tick_i) - set(layout.split):
+      need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in layout.cast)
+    gather = lambda s, dt, to: lax.all_gather(layout.local_chunk(params, s, dt).astype(to),
+                                              self.data_axes, tiled=True)
+    # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
+    segs = {key: gather(*key, key[1]) for key, kinds in need.items() if False in kinds}
+    cast = {key: segs[key].astype(layout.cast_to[key[1]]) if key in segs
+            else gather(*key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
+    return segs, cast
+
+  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None,
+            gathered: tuple[dict, dict] | None = None):
     """Runs tick `tick_i` (its microbatches `shift` later) and its collectives on `st`;
-    `loc` overrides where its reads are found ((key, rank) -> location)."""
+    `loc` overrides where its reads are found ((key, rank) -> location); `gathered`:
+    the tick's ZeRO-3 segments if already all-gathered (`_gather`)."""
     plan, layout = self.plan, self.layout
     loc = self.loc if loc is None else loc
     zero, axes = layout.zero, self.data_axes
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
-    # Parameters this tick reads: whole segments (ZeRO-3: all-gathered here).
-    read = {p for ts in tick for t in ts for p in self.model.regions[t.region].params}
+    read = self._read(tick_i)
     if zero == 3:
-      need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
-      for p in read - set(layout.split):
-        need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in layout.cast)
-      gather = lambda s, dt, to: lax.all_gather(layout.local_chunk(params, s, dt).astype(to),
-                                                axes, tiled=True)
-      # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
-      segs = {key: gather(*key, key[1]) for key, kinds in need.items() if False in kinds}
-      cast = {key: segs[key].astype(layout.cast_to[key[1]]) if key in segs
-              else gather(*key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
+      segs, cast = gathered or self._gather(tick_i, params)
     else:
       segs, cast = None, params.get("cast")
       params = {k: v for k, v in params.items() if k != "cast"}

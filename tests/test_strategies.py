@@ -267,3 +267,18 @@ def test_regions_in_several_slots(strategy, monkeypatch):
   back = step.from_canonical(step.canonical(state))
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                          back.params, state.params)
+
+
+def test_zero3_gathers_one_tick_ahead():
+  # Each tick's ZeRO-3 all-gathers are issued before the previous tick's switch, so
+  # they can run beside its work: the first switch comes after two ticks' gathers.
+  import re
+  from models import random_batch
+  loss, params = _mlp(2)
+  directives = pj.strategies.pipeline(2, 4, "1f1b", dp=4, zero=3)
+  step, state = assert_same_run(loss, params, directives, batch_size=32)
+  text = step.lower(state, random_batch(jax.random.PRNGKey(0), 32)).as_text()
+  ops = re.findall(r"all_gather|stablehlo\.case", text)
+  first = ops.index("stablehlo.case")
+  second = ops.index("stablehlo.case", first + 1)
+  assert first == 2 * (second - first - 1) > 0, ops[:second + 1]
