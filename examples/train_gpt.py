@@ -94,8 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
                  help="dtype of the data-parallel gradient reductions (default: the parameters')")
-  p.add_argument("--bucket-mb", type=float, default=None,
-                 help="dp: all-reduce gradients in buckets of this many MB (replicate's bucket_mb)")
+  p.add_argument("--bucket-mb", type=float, default=25.0,
+                 help="dp: all-reduce gradients in buckets of this many MB (replicate's "
+                      "bucket_mb; 0: one all-reduce per parameter slot at the step's end)")
   p.add_argument("--roll", action="store_true",
                  help="compile the schedule's steady state as one loop (pj.compile(roll=True))")
   p.add_argument("--lr", type=float, default=1e-3)
@@ -138,7 +139,7 @@ def _base_strategy(args, n_devices: int):
           f"--batch {args.batch} must be divisible by the {n_devices} devices "
           f"of data parallelism")
     return (pj.strategies.data_parallel(n_devices, zero=zero, reduce_dtype=args.reduce_dtype,
-                                        bucket_mb=args.bucket_mb), n_devices, 1)
+                                        bucket_mb=args.bucket_mb or None), n_devices, 1)
 
   schedule = args.strategy[len("pp-"):]
   # Interleaved and DualPipeV hold two stages per pipeline rank.

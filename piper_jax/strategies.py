@@ -11,14 +11,18 @@ _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 
 
 def data_parallel(n_devices: int, zero: int = 0, reduce_dtype: str | None = None,
-                  bucket_mb: float | None = None) -> list[Directive]:
-  """Replicates the whole model over devices 0..n_devices-1 with ZeRO stage `zero`
-  (gradients reduced in `reduce_dtype`, in `bucket_mb` buckets with ZeRO-0; see
-  `replicate`)."""
+                  bucket_mb: float | None = 25.0) -> list[Directive]:
+  """Replicates the whole model over devices 0..n_devices-1 with ZeRO stage `zero`.
+
+  Gradients are reduced in `reduce_dtype` (see `replicate`). With ZeRO-0 they are
+  all-reduced in buckets of `bucket_mb` MB as soon as the backward has made them (25,
+  as PyTorch DDP's default; None: one all-reduce per parameter slot at the end of the
+  step); ZeRO >= 1 reduce-scatters per slot and takes no buckets.
+  """
   if n_devices < 1:
     raise ValueError(f"n_devices must be >= 1, got {n_devices}")
-  return [replicate({}, list(range(n_devices)), zero=zero, bucket_mb=bucket_mb,
-                    reduce_dtype=reduce_dtype)]
+  return [replicate({}, list(range(n_devices)), zero=zero,
+                    bucket_mb=bucket_mb if zero == 0 else None, reduce_dtype=reduce_dtype)]
 
 
 def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int = 1,

@@ -29,6 +29,14 @@ def test_one_device_no_directives_needed_beyond_place():
   assert_same_run(loss, params, [pj.place({}, [0])])
 
 
+def test_data_parallel_buckets_by_default():
+  # ZeRO-0 all-reduces in 25 MB buckets unless asked otherwise (test_data_parallel_8
+  # runs them); ZeRO >= 1 reduce-scatters per slot.
+  assert pj.strategies.data_parallel(8)[0].bucket_mb == 25.0
+  assert pj.strategies.data_parallel(8, bucket_mb=None)[0].bucket_mb is None
+  assert pj.strategies.data_parallel(8, zero=1)[0].bucket_mb is None
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipeline(schedule, stages):
