@@ -66,6 +66,40 @@ def _inner_scope(eqn) -> tuple:
   return ()
 
 
+# Calls whose inner jaxpr takes the call's operands one to one and whose derivative is
+# the inner jaxpr's (not a custom rule, which may read a weight in another dtype).
+_PLAIN_CALLS = ("jit", "pjit", "closed_call", "remat2", "checkpoint")
+
+
+def _read_dtypes(eqns, uses: dict) -> None:
+  """Adds to `uses[v]`, for the variables `v` it holds, the dtype each equation reads
+  `v` as: the target of a `convert_element_type`, None for any other use; looks inside
+  jit and remat calls."""
+  for e in eqns:
+    read = [v for v in e.invars if not isinstance(v, Literal) and v in uses]
+    if not read:
+      continue
+    if e.primitive.name == "convert_element_type":
+      for v in read:
+        uses[v].add(jnp.dtype(e.params["new_dtype"]))
+      continue
+    inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    if e.primitive.name not in _PLAIN_CALLS or inner is None or len(inner.invars) != len(e.invars):
+      for v in read:
+        uses[v].add(None)
+      continue
+    sub = {iv: set() for v, iv in zip(e.invars, inner.invars)
+           if not isinstance(v, Literal) and v in uses}
+    _read_dtypes(inner.eqns, sub)
+    for iv in sub:
+      if iv in inner.outvars:  # returned as it is: read in full precision outside
+        sub[iv].add(None)
+    for v, iv in zip(e.invars, inner.invars):
+      if iv in sub:
+        uses[v] |= sub[iv]
+
+
 @dataclasses.dataclass
 class _Region:
   eqns: list
@@ -210,15 +244,12 @@ class TracedLoss:
 
     Such a parameter may be cast once per step and read as `x.astype(bf16).astype(fp32)`
     everywhere, which the model's own cast turns back into exactly `x.astype(bf16)`.
+    Reads inside jit and remat (`nn.remat`) calls count; a read inside any other
+    higher-order primitive (scan, while, custom_jvp/vjp) counts as a full-precision one.
     """
     uses: dict[Var, set] = {v: set() for v in self.param_vars}
     for r in self.regions:
-      for e in r.eqns:
-        for v in e.invars:
-          if isinstance(v, Literal) or v not in uses:
-            continue
-          to = e.params.get("new_dtype") if e.primitive.name == "convert_element_type" else None
-          uses[v].add(None if to is None else jnp.dtype(to))
+      _read_dtypes(r.eqns, uses)
     out = {}
     for i, v in enumerate(self.param_vars):
       dt = jnp.dtype(v.aval.dtype)

@@ -154,3 +154,41 @@ def test_fp32_model_has_no_weight_casts():
   batch = gpt.random_batch(config, jax.random.PRNGKey(0), 4)
   from piper_jax.lowering.trace import trace_loss
   assert trace_loss(loss, params, batch).param_casts() == {}
+
+
+def test_weight_casts_seen_inside_remat_and_jit(monkeypatch):
+  # Weights a model casts to bf16 inside jax.checkpoint (nn.remat) or jax.jit are cast
+  # once per step too; a weight a jit returns as it is keeps its fp32 reads. Same numbers.
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import models
+  from piper_jax.lowering.trace import TracedLoss
+  bf16 = jnp.bfloat16
+
+  def block(p, x):
+    h = jnp.tanh(x.astype(bf16) @ p["w"].astype(bf16)).astype(jnp.float32)
+    return x + h + jax.jit(lambda b: b)(p["b"])
+
+  def loss(params, batch):
+    x = jnp.tanh(batch["x"] @ params["embed"])
+    for s, wrap in enumerate([jax.checkpoint, jax.jit]):
+      with pj.annotate("PP"):
+        x = wrap(block)(params[f"stage{s}"], x)
+    logits = x @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  params = models.init_mlp(jax.random.PRNGKey(0), 2)
+  batches = [models.random_batch(jax.random.PRNGKey(i), 16) for i in range(2)]
+  tx = models.optimizer()
+  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1)
+  losses, got, step, _ = models.piper_run(loss, params, batches, tx, directives)
+  names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+  assert {names[p] for p in step._layout.cast} == {"['stage0']['w']", "['stage1']['w']"}
+  monkeypatch.setattr(TracedLoss, "param_casts", lambda self: {})
+  plain, want, _, _ = models.piper_run(loss, params, batches, tx, directives)
+  np.testing.assert_allclose(losses, plain, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                         got, want)
+  ref, _ = models.reference_run(loss, params, batches, tx)
+  np.testing.assert_allclose(losses, ref, rtol=2e-2)
