@@ -24,7 +24,9 @@ weights otherwise) and takes its ratio against `jit-dp+bf16`. A `+rbf16` suffix 
 the data-parallel gradients in bf16 (`replicate(reduce_dtype="bfloat16")`), as plain
 jit DP does with a bf16-compute model: its all-reduce runs on the bf16 gradient of
 the matmul, before the convert to the fp32 parameter's dtype. A `+roll` suffix compiles
-with `pj.compile(..., roll=True)`: the schedule's steady state runs as one loop.
+with `pj.compile(..., roll=True)`: the schedule's steady state runs as one loop. A
+`+nocast` suffix turns off casting the bf16-read weights once per step (every task
+slices and casts its own), for A/B runs.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -53,7 +55,8 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
          "pp-dualpipev")
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
-# The "+rK" suffix: a DP variant over K regions.
+# Variant suffixes besides "+rK" (a DP variant over K regions).
+_SUFFIXES = ("ep", "even", "bf16", "rbf16", "roll", "nocast")
 _REGIONS = re.compile(r"r\d+")
 # Stages per pipeline rank.
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
@@ -62,9 +65,15 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev"
 def BASELINE_OF(variant: str, model: str = "") -> str:
   """The plain-JAX row a variant's ratio is taken against (the `+bf16` one for `+bf16`;
   `shmap-dp`, which routes per device, for MoE models)."""
-  base, *mods = variant.split("+")
+  base, mods = split_variant(variant)
   default = "shmap-dp" if model.startswith("moe-") else "jit-dp"
   return _BASELINE.get(base.partition("@")[0], default) + ("+bf16" if "bf16" in mods else "")
+
+
+def split_variant(variant: str) -> tuple[str, list[str]]:
+  """"zero3+rbf16+r8" -> ("zero3", ["rbf16", "r8"])."""
+  base, *mods = variant.split("+")
+  return base, mods
 
 
 def parse_pipeline(variant: str, default_zero: int) -> tuple[str, int] | None:
@@ -128,7 +137,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   import piper_jax as pj
   from examples import gpt, moe
 
-  base, *mods = variant.split("+")
+  base, mods = split_variant(variant)
   pipe = parse_pipeline(base, zero)
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
@@ -169,7 +178,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
 
   devices = jax.devices()
   n = len(devices)
-  base = variant.split("+")[0]
+  base, mods = split_variant(variant)
   config, net, directives = build(variant, model, n, microbatches, pp, zero, attention)
   loss_fn = gpt.loss_fn(net)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
@@ -214,7 +223,10 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
-    call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in variant.split("+"))
+    if "nocast" in mods:  # A/B: weights sliced and cast by every task, not once per step
+      from piper_jax.lowering.trace import TracedLoss
+      TracedLoss.param_casts = lambda self: {}
+    call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in mods)
     state = call.init(params)
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")
@@ -343,9 +355,9 @@ def main(argv=None):
     args.model, args.batch, args.steps, args.warmup = model, 16, 2, 1
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
-    base, *mods = v.split("+")
-    if {m for m in mods if not _REGIONS.fullmatch(m)} - {"ep", "even", "bf16", "rbf16", "roll"}:
-      raise ValueError(f"unknown suffix in {v!r}: use +ep, +even, +bf16, +rbf16, +roll and +rK")
+    base, mods = split_variant(v)
+    if {m for m in mods if not _REGIONS.fullmatch(m)} - set(_SUFFIXES):
+      raise ValueError(f"unknown suffix in {v!r}: use +rK and " + ", ".join("+" + m for m in _SUFFIXES))
     if base in BASELINES and set(mods) - {"bf16"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
