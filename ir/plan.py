@@ -147,8 +147,10 @@ class Plan:
     candidates = sorted({max(cost.values())} | {
         cost[a.id] + cost[b.id] for a in order for b in order
         if a.region == b.region and a.mb == b.mb and a.pass_ is Pass.F and b.pass_ is not Pass.F})
-    if mesh.n_pp == 1:  # no messages between ranks: one tick holds everything
-      candidates = [float("inf")]
+    if mesh.n_pp == 1:  # no messages between ranks: one tick holds everything, except
+      # under ZeRO 2/3, which reduce-scatter gradients and gather parameters per tick:
+      # one task a tick, so each region's are reduced, or gathered, on their own.
+      candidates = [0.0 if mesh.zero >= 2 else float("inf")]
     # A stage cut into several regions (EP regions inside a PP region) runs a
     # microbatch's pass in one tick: the regions that share an outermost annotation.
     chain = {n.id: (n.tags[0], n.mb, n.pass_ is Pass.F) for n in order if n.tags}

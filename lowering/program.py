@@ -8,9 +8,10 @@ Gradients accumulate per leaf, unreduced over microbatches (added to the running
 inside the switch, so a tick writes each sum once), and are laid out into
 the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
 reduce-scattered per tick (ZeRO 2/3); ZeRO-3 all-gathers the slots a tick reads one
-tick ahead, before the previous tick's switch. Expert-parallel regions exchange their tokens by all-to-all over "ep" before and
-after each pass; split weights' pieces (shard, shard_tensor) get their gradients
-reduced only over their copies (`_finish_split`).
+tick ahead, before the previous tick's switch, and keeps the slots that consecutive
+ticks read. Expert-parallel regions exchange their tokens by all-to-all over "ep"
+before and after each pass; split weights' pieces (shard, shard_tensor) get their
+gradients reduced only over their copies (`_finish_split`).
 """
 
 from __future__ import annotations
@@ -261,9 +262,10 @@ class Program:
         t, ahead = w.stop, None
         continue
       # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
-      # can run beside it (prefetched one tick ahead).
-      gathered, ahead = ahead, (self._gather(t + 1, params) if layout.zero == 3 and t + 1 < n
-                                and (w is None or t + 1 != w.start) else None)
+      # can run beside it (prefetched one tick ahead); what both ticks read is gathered once.
+      gathered = ahead or (self._gather(t, params) if layout.zero == 3 else None)
+      ahead = (self._gather(t + 1, params, gathered) if gathered and t + 1 < n
+               and (w is None or t + 1 != w.start) else None)
       self._tick(t, st, params, batch, 0, gathered=gathered)
       t += 1
     acc = st.acc
@@ -278,19 +280,30 @@ class Program:
     return {p for ts in self.plan.ticks[tick_i] for t in ts
             for p in self.model.regions[t.region].params}
 
-  def _gather(self, tick_i: int, params: dict) -> tuple[dict, dict]:
+  def _gather(self, tick_i: int, params: dict, have: tuple[dict, dict] | None = None
+              ) -> tuple[dict, dict]:
     """ZeRO-3: the whole (slot, dtype) segments tick `tick_i` reads, all-gathered over
-    the data axes, as (segments, cast segments)."""
+    the data axes, as (segments, cast segments); those in `have` (the previous tick's)
+    are taken from there instead of gathered again."""
     layout = self.layout
+    have_segs, have_cast = have or ({}, {})
     need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
     for p in self._read(tick_i) - set(layout.split):
       need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in layout.cast)
-    gather = lambda s, dt, to: lax.all_gather(layout.local_chunk(params, s, dt).astype(to),
-                                              self.data_axes, tiled=True)
+
+    def gather(key, to):
+      if to == key[1] and key in have_segs:
+        return have_segs[key]
+      if to != key[1] and key in have_cast:
+        return have_cast[key]
+      return lax.all_gather(layout.local_chunk(params, *key).astype(to), self.data_axes,
+                            tiled=True)
+
     # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
-    segs = {key: gather(*key, key[1]) for key, kinds in need.items() if False in kinds}
-    cast = {key: segs[key].astype(layout.cast_to[key[1]]) if key in segs
-            else gather(*key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
+    segs = {key: gather(key, key[1]) for key, kinds in need.items() if False in kinds}
+    cast = {key: segs[key].astype(layout.cast_to[key[1]])
+            if key in segs and key not in have_cast else gather(key, layout.cast_to[key[1]])
+            for key, kinds in need.items() if True in kinds}
     return segs, cast
 
   def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None,
