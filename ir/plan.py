@@ -33,15 +33,20 @@ class Task:
     return f"r{self.region}{self.pass_.value}{self.mb}"
 
 
-def _compute_order(graph: Graph) -> list[Node]:
-  """A topological order of all nodes; ready compute nodes go F before B, then by microbatch."""
+def _compute_order(graph: Graph, by_microbatch: bool = False) -> list[Node]:
+  """A topological order of all nodes; ready compute nodes go F before B, then by
+  microbatch, or (`by_microbatch`) by microbatch first: one microbatch's F and B before
+  the next one's, as gradient accumulation runs."""
   indeg = {i: len(graph.pred[i]) for i in graph.nodes}
   pos = {i: k for k, i in enumerate(graph.nodes)}
 
   def key(n: Node):
     if n.kind is not NodeKind.COMPUTE:
       return (-1, 0, 0, pos[n.id])
-    return (_PASS_RANK[n.pass_], n.mb or 0, n.region, pos[n.id])
+    first, second = _PASS_RANK[n.pass_], n.mb or 0
+    if by_microbatch:
+      first, second = second, first
+    return (first, second, n.region, pos[n.id])
 
   heap = [(key(graph.nodes[i]), i) for i, d in indeg.items() if d == 0]
   heapq.heapify(heap)
@@ -137,7 +142,9 @@ class Plan:
     self.bucket_mb = bucket_mb
     self.reduce_dtype = reduce_dtype
     pass_costs = dict(pass_costs or {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0})
-    order = _compute_order(graph)
+    # Without a pipeline, microbatches are gradient accumulation: each one's F and B
+    # run before the next one's, so only one microbatch's activations are alive.
+    order = _compute_order(graph, by_microbatch=mesh.n_pp == 1)
     rank = {n.id: mesh.region_rank[n.region] for n in order}
     flops = {r.index: r.flops for r in model.regions}
     scale = max(flops.values()) if flops and max(flops.values()) > 0 else 0

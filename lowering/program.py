@@ -296,6 +296,8 @@ class Program:
         return have_segs[key]
       if to != key[1] and key in have_cast:
         return have_cast[key]
+      if key in have_segs:  # gathered whole last tick: its cast copy is read now
+        return have_segs[key].astype(to)
       return lax.all_gather(layout.local_chunk(params, *key).astype(to), self.data_axes,
                             tiled=True)
 
