@@ -291,21 +291,19 @@ class Program:
     for p in self._read(tick_i) - set(layout.split):
       need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in layout.cast)
 
-    def gather(key, to):
-      if to == key[1] and key in have_segs:
-        return have_segs[key]
-      if to != key[1] and key in have_cast:
-        return have_cast[key]
-      if key in have_segs:  # gathered whole last tick: its cast copy is read now
-        return have_segs[key].astype(to)
-      return lax.all_gather(layout.local_chunk(params, *key).astype(to), self.data_axes,
-                            tiled=True)
+    got = {(key, key[1]): x for key, x in have_segs.items()}  # (key, dtype) -> segment
+    got.update({(key, layout.cast_to[key[1]]): x for key, x in have_cast.items()})
+
+    def get(key, to):
+      if (key, to) not in got:  # a segment gathered whole is cast, not gathered again
+        whole = got.get((key, key[1]))
+        got[(key, to)] = (whole.astype(to) if whole is not None else lax.all_gather(
+            layout.local_chunk(params, *key).astype(to), self.data_axes, tiled=True))
+      return got[(key, to)]
 
     # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
-    segs = {key: gather(key, key[1]) for key, kinds in need.items() if False in kinds}
-    cast = {key: segs[key].astype(layout.cast_to[key[1]])
-            if key in segs and key not in have_cast else gather(key, layout.cast_to[key[1]])
-            for key, kinds in need.items() if True in kinds}
+    segs = {key: get(key, key[1]) for key, kinds in need.items() if False in kinds}
+    cast = {key: get(key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
     return segs, cast
 
   def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None,
