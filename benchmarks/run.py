@@ -39,6 +39,7 @@ step), and the ratio of tokens/s to the matching plain-JAX baseline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -47,6 +48,7 @@ import re
 import subprocess
 import sys
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -223,10 +225,12 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
-    if "nocast" in mods:  # A/B: weights sliced and cast by every task, not once per step
-      from piper_jax.lowering.trace import TracedLoss
-      TracedLoss.param_casts = lambda self: {}
-    call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in mods)
+    from piper_jax.lowering.trace import TracedLoss
+    # "+nocast", for A/B runs: weights sliced and cast by every task, not once per step.
+    no_casts = (mock.patch.object(TracedLoss, "param_casts", lambda self: {})
+                if "nocast" in mods else contextlib.nullcontext())
+    with no_casts:
+      call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in mods)
     state = call.init(params)
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")

@@ -289,20 +289,13 @@ class ParamLayout:
   # -- inside shard_map -----------------------------------------------------
 
   def local_segment(self, local: dict, slot: int, dt: str) -> jax.Array:
-    """A whole (slot, dtype) segment from unsharded local buffers (ZeRO 0-2)."""
+    """What this device's buffers hold of a (slot, dtype) segment, flat: the whole
+    segment under ZeRO 0-2, this replica's chunk of it under ZeRO-3."""
     if slot == SHARED:
       return local["shared"][dt].reshape(-1)
     if (slot, dt) not in self._index:  # only empty leaves
       return jnp.zeros((0,), jnp.dtype(dt))
     return local["slots"][dt][self._index[(slot, dt)]][0].reshape(-1)
-
-  def local_chunk(self, local: dict, slot: int, dt: str) -> jax.Array:
-    """This replica's chunk of a (slot, dtype) segment from ZeRO-3 local buffers."""
-    if slot == SHARED:
-      return local["shared"][dt].reshape(-1)
-    if (slot, dt) not in self._index:  # only empty leaves
-      return jnp.zeros((0,), jnp.dtype(dt))
-    return local["slots"][dt][self._index[(slot, dt)]][0, 0]
 
   def local_piece(self, local: dict, p: int) -> jax.Array:
     """This device's piece of split leaf `p`."""

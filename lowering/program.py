@@ -298,7 +298,7 @@ class Program:
       if (key, to) not in got:  # a segment gathered whole is cast, not gathered again
         whole = got.get((key, key[1]))
         got[(key, to)] = (whole.astype(to) if whole is not None else lax.all_gather(
-            layout.local_chunk(params, *key).astype(to), self.data_axes, tiled=True))
+            layout.local_segment(params, *key).astype(to), self.data_axes, tiled=True))
       return got[(key, to)]
 
     # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
