@@ -118,14 +118,16 @@ class TracedLoss:
   """
 
   def __init__(self, loss_fn: Callable, params: Any, batch: Any):
-    self.param_leaves, self.param_tree = jax.tree_util.tree_flatten_with_path(params)
+    aval = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    # Shapes only: holding the example arrays would keep a copy of the model alive.
+    self.param_leaves = [(path, aval(x)) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
     self.param_tree = jax.tree_util.tree_structure(params)
     batch_leaves, self.batch_tree = jax.tree_util.tree_flatten_with_path(batch)
     self.batch_tree = jax.tree_util.tree_structure(batch)
     p_names = [path_name(p) for p, _ in self.param_leaves]
     b_names = [path_name(p) for p, _ in batch_leaves]
-    p_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in self.param_leaves]
-    b_avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in batch_leaves]
+    p_avals = [x for _, x in self.param_leaves]
+    b_avals = [aval(x) for _, x in batch_leaves]
     if not b_avals or any(len(a.shape) == 0 for a in b_avals):
       raise ValueError("the batch must be a pytree of arrays with a leading batch axis")
     batch_size = b_avals[0].shape[0]
