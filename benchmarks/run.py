@@ -26,7 +26,8 @@ jit DP does with a bf16-compute model: its all-reduce runs on the bf16 gradient 
 the matmul, before the convert to the fp32 parameter's dtype. A `+roll` suffix compiles
 with `pj.compile(..., roll=True)`: the schedule's steady state runs as one loop. A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
-slices and casts its own), for A/B runs.
+slices and casts its own) and `+cast` turns it on for pipelines below ZeRO-3 (off by
+default there), for A/B runs.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -58,7 +59,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
-_SUFFIXES = ("ep", "even", "bf16", "rbf16", "roll", "nocast")
+_SUFFIXES = ("ep", "even", "bf16", "rbf16", "roll", "nocast", "cast")
 _REGIONS = re.compile(r"r\d+")
 # Stages per pipeline rank.
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
@@ -225,11 +226,14 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
+    from piper_jax.lowering.layout import ParamLayout
     from piper_jax.lowering.trace import TracedLoss
-    # "+nocast", for A/B runs: weights sliced and cast by every task, not once per step.
-    no_casts = (mock.patch.object(TracedLoss, "param_casts", lambda self: {})
-                if "nocast" in mods else contextlib.nullcontext())
-    with no_casts:
+    # For A/B runs: "+nocast", weights sliced and cast by every task, not once per step;
+    # "+cast", cast once per step in a pipeline below ZeRO-3 too.
+    casts = (mock.patch.object(TracedLoss, "param_casts", lambda self: {}) if "nocast" in mods
+             else mock.patch.object(ParamLayout, "cast_in_pipelines", True) if "cast" in mods
+             else contextlib.nullcontext())
+    with casts:
       call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in mods)
     state = call.init(params)
     if base.startswith("pp-"):

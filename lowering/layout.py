@@ -126,6 +126,8 @@ class ParamLayout:
   `shared[dtype]`: [n_dp, C_shared].
   """
 
+  cast_in_pipelines = False  # benchmarks/run.py's "+cast": the A/B of the choice below
+
   def __init__(self, model: ModelSpec, plan: Plan,
                split: dict[int, tuple[int, str]] | None = None,
                casts: dict[int, str] | None = None):
@@ -140,6 +142,11 @@ class ParamLayout:
     self.params = model.params
     # Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
     # once per step: one target per dtype (the commonest), in slots of their own.
+    # Pipelines below ZeRO-3 cast in each task instead: XLA fuses such a cast into the
+    # matmul reading it, while a bf16 copy made once and passed through every tick's
+    # switch cost 3% of a 1F1B step and a fifth of its compile time (268M, run Z).
+    if self.n_pp > 1 and self.zero < 3 and not self.cast_in_pipelines:
+      casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
     self.cast_to: dict[str, str] = {}
     for dt in sorted({model.params[p].dtype for p in casts}):
