@@ -16,6 +16,11 @@ except AttributeError:  # pragma: no cover
 
 from jax.extend.core import Literal, Var  # noqa: E402
 
+try:
+  from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover
+  _source_info = None
+
 
 def name_stack(eqn) -> str:
   """The equation's name stack (the `jax.named_scope`s it was traced under), as text."""
@@ -35,9 +40,20 @@ def bind(eqn, vals: Sequence[Any], **params) -> list:
     subfuns, bind_params = bind_params
   ctx = getattr(eqn, "ctx", None)
   manager = getattr(ctx, "manager", None) or contextlib.nullcontext()
-  with manager:
+  with manager, _user_context(eqn):
     ans = eqn.primitive.bind(*subfuns, *vals, **bind_params)
   return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def _user_context(eqn):
+  """Re-binds under the equation's own name scopes and traceback (as `jax.core.eval_jaxpr`
+  does), so the compiled program's ops keep the model's names ("GPT/block_3/ln1/mul")
+  in HLO metadata, profiles and dumps."""
+  if _source_info is None:  # pragma: no cover
+    return contextlib.nullcontext()
+  info = eqn.source_info
+  return _source_info.user_context(
+      info.traceback, name_stack=_source_info.current_name_stack() + info.name_stack)
 
 
 def eval_eqns(eqns: Sequence[Any], env: dict) -> dict:

@@ -196,3 +196,14 @@ def test_weight_casts_seen_inside_remat_and_jit(monkeypatch):
                          got, want)
   ref, _ = models.reference_run(loss, params, batches, tx)
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
+
+
+def test_compiled_ops_keep_the_model_names():
+  # Regions are re-evaluated equation by equation; each op keeps the Flax scopes it was
+  # traced under, so profiles and HLO dumps name a kernel's block and layer.
+  config, loss, params = _gpt(2)
+  batch = gpt.random_batch(config, jax.random.PRNGKey(0), 8)
+  import optax
+  step = pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2, "1f1b", dp=4), params, batch)
+  text = step.lower(step.init(params), batch).as_text(debug_info=True)
+  assert "block_1/mlp" in text and "transpose(jvp(GPT))" in text
