@@ -153,8 +153,18 @@ class TrainStep:
     if tree != self._traced.param_tree:
       raise ValueError(f"params have structure {tree}, but the step was compiled for "
                        f"{self._traced.param_tree}")
-    buffers = self._pack(leaves)
+    buffers = self._pack(self._onto_mesh(leaves))
     return TrainState(buffers, self._opt_init(buffers), self)
+
+  def _onto_mesh(self, leaves: list) -> list:
+    """Leaves placed on other devices than the step's (say, on one device by
+    `jax.device_put`) are moved onto its mesh in the checkpoint layout first; jit would
+    reject them."""
+    if jax.process_count() > 1:
+      return leaves
+    mesh_devices = set(self.mesh.devices.flat)
+    return [jax.device_put(x, sh) if isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices
+            else x for x, sh in zip(leaves, self._canonical_shardings())]
 
   def _batch_leaves(self, batch) -> list:
     """Batch leaves as global arrays; with several processes, host data is this process's rows."""
@@ -231,10 +241,10 @@ class TrainStep:
     outer = jax.tree_util.tree_structure(self._opt_shardings, is_leaf=_is_buffers)
     parts = outer.flatten_up_to(tree["opt_state"])
     shards = outer.flatten_up_to(self._opt_shardings)
-    opt = [self._pack_opt(jax.tree_util.tree_leaves(x)) if _is_buffers(sh) else jax.device_put(x, sh)
-           for x, sh in zip(parts, shards)]
+    opt = [self._pack_opt(self._onto_mesh(jax.tree_util.tree_leaves(x))) if _is_buffers(sh)
+           else jax.device_put(x, sh) for x, sh in zip(parts, shards)]
     leaves = jax.tree_util.tree_leaves(tree["params"])
-    return TrainState(self._pack(leaves), outer.unflatten(opt), self)
+    return TrainState(self._pack(self._onto_mesh(leaves)), outer.unflatten(opt), self)
 
   def canonical_shapes(self) -> dict:
     """Shapes and dtypes of `canonical(state)` (replicated on this step's mesh), for restoring."""

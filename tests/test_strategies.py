@@ -131,6 +131,16 @@ def test_compiled_step_does_not_keep_the_example_params():
   assert state.params is not None
 
 
+def test_init_takes_params_placed_on_one_device():
+  # As `jax.device_put(params, jax.devices()[0])` or a single-device restore leaves them.
+  loss, params = _mlp(2)
+  on_one = jax.device_put(params, jax.devices()[1])
+  step = pj.compile(loss, optax.adam(1e-3), pj.strategies.data_parallel(8, zero=3), params, _batch())
+  got = step.canonical(step.init(on_one))["params"]
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                         got, params)
+
+
 def _check_partitioned(state, n_parts):
   per_device = {}
   total = 0
