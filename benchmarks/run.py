@@ -27,7 +27,7 @@ the matmul, before the convert to the fp32 parameter's dtype. A `+roll` suffix c
 with `pj.compile(..., roll=True)`: the schedule's steady state runs as one loop. A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
 slices and casts its own) and `+cast` turns it on for pipelines below ZeRO-3 (off by
-default there), for A/B runs.
+default there), for A/B runs. `+L9-7` sets the blocks of each pipeline stage.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -61,6 +61,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "even", "bf16", "rbf16", "roll", "nocast", "cast")
 _REGIONS = re.compile(r"r\d+")
+_LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
 
@@ -145,6 +146,12 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
   config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods, attention=attention)
+  layers = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
+  if layers:
+    if len(layers[0]) != n_stages or sum(layers[0]) != config.n_layers:
+      raise ValueError(f"{variant!r}: +L needs {n_stages} stages' blocks summing to "
+                       f"{config.n_layers}, got {layers[0]}")
+    config = dataclasses.replace(config, stage_layers=layers[0])
   net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
   if base in BASELINES:
     return config, net, None
@@ -364,8 +371,9 @@ def main(argv=None):
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
     base, mods = split_variant(v)
-    if {m for m in mods if not _REGIONS.fullmatch(m)} - set(_SUFFIXES):
-      raise ValueError(f"unknown suffix in {v!r}: use +rK and " + ", ".join("+" + m for m in _SUFFIXES))
+    if {m for m in mods if not (_REGIONS.fullmatch(m) or _LAYERS.fullmatch(m))} - set(_SUFFIXES):
+      raise ValueError(f"unknown suffix in {v!r}: use +rK, +L<blocks>-<blocks>... and "
+                       + ", ".join("+" + m for m in _SUFFIXES))
     if base in BASELINES and set(mods) - {"bf16"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:

@@ -88,3 +88,12 @@ def test_bad_variants_are_reported_before_running(variant, match):
   from benchmarks.run import main
   with pytest.raises(ValueError, match=match):
     main(["--small", "--variants", variant])
+
+
+def test_stage_layers_suffix():
+  sys.path.insert(0, ROOT)
+  from benchmarks.run import build
+  config, _, _ = build("pp-1f1b+L5-3", "tiny", 2, 2)
+  assert config.stage_layers == (5, 3)
+  with pytest.raises(ValueError, match="summing to 8"):
+    build("pp-1f1b+L5-4", "tiny", 2, 2)
