@@ -117,13 +117,28 @@ def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
 
 
+def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, monkeypatch):
+  """Checks a run with weights cast once (`losses`, final params `got`) against the same
+  run casting in every task (1e-6) and against one device (bf16 compute: 2e-2); returns
+  the step without casts."""
+  import numpy as np
+  import models
+  from piper_jax.lowering.trace import TracedLoss
+  monkeypatch.setattr(TracedLoss, "param_casts", lambda self: {})
+  plain, want, plain_step, _ = models.piper_run(loss_fn, params, batches, tx, directives)
+  np.testing.assert_allclose(losses, plain, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                         got, want)
+  ref, _ = models.reference_run(loss_fn, params, batches, tx)
+  np.testing.assert_allclose(losses, ref, rtol=2e-2)
+  return plain_step
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3: 1F1B x DP2
   # fp32 master weights that the model only reads as bf16 are cast once per step (ZeRO-3:
   # all-gathered as bf16) instead of in every task; the numbers do not change.
-  import numpy as np
   import models
-  from piper_jax.lowering.trace import TracedLoss
   loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
   tx = models.optimizer()
   directives = (pj.strategies.data_parallel(8, zero=1) if zero == 1 else
@@ -139,14 +154,9 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3:
     for dims, dt in re.findall(r"all_gather.*-> tensor<([\dx]+)x(f32|bf16)>", hlo):
       gathered[dt] += math.prod(int(d) for d in dims.split("x"))
     assert gathered["bf16"] > 20 * gathered["f32"], gathered
-  monkeypatch.setattr(TracedLoss, "param_casts", lambda self: {})
-  plain, want, plain_step, _ = models.piper_run(loss_fn, params, batches, tx, directives)
+  plain_step = _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got,
+                                      monkeypatch)
   assert not plain_step._layout.cast
-  np.testing.assert_allclose(losses, plain, rtol=1e-6)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                         got, want)
-  ref, _ = models.reference_run(loss_fn, params, batches, tx)
-  np.testing.assert_allclose(losses, ref, rtol=2e-2)
 
 
 def test_fp32_model_has_no_weight_casts():
@@ -160,10 +170,8 @@ def test_weight_casts_seen_inside_remat_and_jit(monkeypatch):
   # Weights a model casts to bf16 inside jax.checkpoint (nn.remat) or jax.jit are cast
   # once per step too; a weight a jit returns as it is keeps its fp32 reads. Same numbers.
   import jax.numpy as jnp
-  import numpy as np
   import optax
   import models
-  from piper_jax.lowering.trace import TracedLoss
   bf16 = jnp.bfloat16
 
   def block(p, x):
@@ -189,13 +197,7 @@ def test_weight_casts_seen_inside_remat_and_jit(monkeypatch):
   pipe = pj.compile(loss, tx, pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1), params,
                     batches[0])
   assert not pipe._layout.cast
-  monkeypatch.setattr(TracedLoss, "param_casts", lambda self: {})
-  plain, want, _, _ = models.piper_run(loss, params, batches, tx, directives)
-  np.testing.assert_allclose(losses, plain, rtol=1e-6)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                         got, want)
-  ref, _ = models.reference_run(loss, params, batches, tx)
-  np.testing.assert_allclose(losses, ref, rtol=2e-2)
+  _same_as_without_casts(loss, params, batches, tx, directives, losses, got, monkeypatch)
 
 
 def test_compiled_ops_keep_the_model_names():
