@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from piper_jax.ir.model import ModelSpec
@@ -206,6 +207,24 @@ class ParamLayout:
     self._index = {(j, dt): i for dt, js in self.slot_ids.items() for i, j in enumerate(js)}
     self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
 
+  @property
+  def keeps_copy(self) -> bool:
+    """Whether a step keeps the fp32 masters sharded like the optimizer state and reads a
+    replicated copy of the parameters with cast leaves in their cast dtype (`copy`).
+
+    ZeRO-1/2 with weights read in a narrower dtype (Megatron's distributed optimizer):
+    the update runs on this replica's shard of the masters and the new copy is
+    all-gathered in bf16, half the bytes of gathering fp32 masters.
+    """
+    return self.zero in (1, 2) and self.n_dp > 1 and any(j != SHARED for j, _ in self.cast_slots)
+
+  def copy(self, buffers: dict) -> dict:
+    """The buffers a step reads under `keeps_copy`: slots of cast leaves in their cast dtype."""
+    slots = {dt: [x.astype(self.cast_to[dt]) if (j, dt) in self.cast_slots else x
+                  for j, x in zip(self.slot_ids[dt], xs)]
+             for dt, xs in buffers["slots"].items()}
+    return dict(buffers, slots=slots)
+
   # -- shapes and shardings -------------------------------------------------
 
   def segment_size(self, slot: int, dtype: str) -> int:
@@ -308,6 +327,21 @@ class ParamLayout:
   def local_piece(self, local: dict, p: int) -> jax.Array:
     """This device's piece of split leaf `p`."""
     return local["split"][self.split_pos[p]][0, 0]
+
+  def gather_copy(self, local: dict) -> dict:
+    """Under `keeps_copy`: this replica's shards of the masters -> the whole copy the
+    step reads, each cast before it is all-gathered (bf16 on the wire)."""
+    dp, cast = self.data_axes, self.copy(local)
+    split = []
+    for pos, x in enumerate(cast["split"]):
+      d = self.split_zero_dim(pos)
+      axes = self.copies[self.split_positions[pos][2]][0]
+      split.append(x if d is None else lax.all_gather(x, axes, axis=2 + d, tiled=True))
+    return {"slots": {dt: [lax.all_gather(x, dp, axis=1, tiled=True) for x in xs]
+                      for dt, xs in cast["slots"].items()},
+            "shared": {dt: lax.all_gather(x, dp, axis=0, tiled=True)
+                       for dt, x in cast["shared"].items()},
+            "split": split}
 
   def leaf(self, segment: jax.Array, h: Home) -> jax.Array:
     return segment[h.offset:h.offset + h.size].reshape(h.shape)

@@ -134,29 +134,44 @@ def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got
   return plain_step
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3: 1F1B x DP2
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1/2: DP; ZeRO-3: 1F1B x DP2
   # fp32 master weights that the model only reads as bf16 are cast once per step (ZeRO-3:
-  # all-gathered as bf16) instead of in every task; the numbers do not change.
+  # all-gathered as bf16; ZeRO-1/2: a bf16 copy all-gathered after the update) instead
+  # of in every task; the numbers do not change.
+  import numpy as np
   import models
   loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
   tx = models.optimizer()
-  directives = (pj.strategies.data_parallel(8, zero=1) if zero == 1 else
+  directives = (pj.strategies.data_parallel(8, zero=zero) if zero < 3 else
                 pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=3))
   losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
   cast = {names[p] for p in step._layout.cast}
   assert "['block_0']['attn']['qkv']['kernel']" in cast
   assert not any("ln" in n for n in cast)  # LayerNorm computes in fp32 from its fp32 params
-  if zero == 3:  # cast leaves sit in slots of their own, all-gathered in bf16 only
-    hlo = step.lower(state, batches[0]).as_text()
-    gathered = {"f32": 0, "bf16": 0}
-    for dims, dt in re.findall(r"all_gather.*-> tensor<([\dx]+)x(f32|bf16)>", hlo):
-      gathered[dt] += math.prod(int(d) for d in dims.split("x"))
-    assert gathered["bf16"] > 20 * gathered["f32"], gathered
+  # Cast leaves sit in slots of their own, all-gathered in bf16 only.
+  hlo = step.lower(state, batches[0]).as_text()
+  gathered = {"f32": 0, "bf16": 0}
+  for dims, dt in re.findall(r"all_gather.*-> tensor<([\dx]+)x(f32|bf16)>", hlo):
+    gathered[dt] += math.prod(int(d) for d in dims.split("x"))
+  assert gathered["bf16"] > 20 * gathered["f32"], gathered
+  if zero < 3:
+    # ZeRO-1/2 (Megatron's distributed optimizer): the fp32 masters are sharded like the
+    # optimizer state; the step reads a replicated copy whose cast slots are bf16.
+    assert step._layout.keeps_copy
+    for x in jax.tree_util.tree_leaves(state.params):
+      assert all(s.data.size * 8 == x.size for s in x.addressable_shards), x.sharding
+    dtypes = {str(x.dtype) for x in state.model["slots"]["float32"]}
+    assert dtypes == {"float32", "bfloat16"}, dtypes
+    # A checkpoint's canonical layout rebuilds the copy: the next step is the same.
+    again = step.from_canonical(step.canonical(state))
+    (a, la), (b, lb) = step(state, batches[0]), step(again, batches[0])
+    assert float(la) == float(lb)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, step.params(a), step.params(b))
   plain_step = _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got,
                                       monkeypatch)
-  assert not plain_step._layout.cast
+  assert not plain_step._layout.cast and not plain_step._layout.keeps_copy
 
 
 def test_fp32_model_has_no_weight_casts():
