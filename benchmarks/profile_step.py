@@ -95,7 +95,7 @@ def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> s
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--variant", default="pp-1f1b",
-                  help="a variant of benchmarks/run.py (jit-dp, dp, zero3, pp-1f1b@z1+even, ...)")
+                  help="a variant of benchmarks/run.py (jit-dp, dp, zero3, pp-1f1b@z1+balanced, ...)")
   ap.add_argument("--model", default="268m")
   ap.add_argument("--pp", type=int, default=2)
   ap.add_argument("--microbatches", type=int, default=8)

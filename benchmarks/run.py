@@ -17,8 +17,9 @@ is plain JAX data parallel written with `shard_map` (loss and gradients per devi
 one group.
 A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
 experts are split over each rank's data-parallel devices. The dense GPT's pipeline
-stages get `gpt.balanced_stage_layers` blocks each (the last stage fewer, for the
-head and the loss); a `+even` suffix splits the blocks equally instead. A `+bf16` suffix
+stages get equal blocks (with cuDNN attention the fastest split measured, run AD); a
+`+balanced` suffix gives them `gpt.balanced_stage_layers` (the last stage fewer, for
+the head and the loss). A `+bf16` suffix
 keeps parameters and optimizer states in bf16 (the PyTorch peer's setting; fp32 master
 weights otherwise) and takes its ratio against `jit-dp+bf16`. A `+rbf16` suffix reduces
 the data-parallel gradients in bf16 (`replicate(reduce_dtype="bfloat16")`), as plain
@@ -27,7 +28,9 @@ the matmul, before the convert to the fp32 parameter's dtype. A `+roll` suffix c
 with `pj.compile(..., roll=True)`: the schedule's steady state runs as one loop. A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
 slices and casts its own) and `+cast` turns it on for pipelines below ZeRO-3 (off by
-default there), for A/B runs. `+L9-7` sets the blocks of each pipeline stage.
+default there), for A/B runs; `+nodistopt` runs ZeRO-1/2 without the distributed
+optimizer (replicated fp32 parameters, all-gathered in fp32 after the update).
+`+L9-7` sets the blocks of each pipeline stage.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -59,7 +62,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
-_SUFFIXES = ("ep", "even", "bf16", "rbf16", "roll", "nocast", "cast")
+_SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "cast", "nodistopt")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
@@ -97,9 +100,9 @@ def _setup_cpu(small: bool):
                                " --xla_force_host_platform_device_count=8").strip()
 
 
-def _config(model: str, n_stages: int, even: bool = False, bf16: bool = False,
+def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = False,
             attention: str | None = None):
-  config = _preset(model, n_stages, even)
+  config = _preset(model, n_stages, balanced)
   if attention:
     config = dataclasses.replace(config, attention=attention)
   if bf16:  # parameters and optimizer states in bf16, as the PyTorch peer runs
@@ -108,7 +111,7 @@ def _config(model: str, n_stages: int, even: bool = False, bf16: bool = False,
   return config
 
 
-def _preset(model: str, n_stages: int, even: bool):
+def _preset(model: str, n_stages: int, balanced: bool):
   import jax.numpy as jnp
   from examples import gpt, moe
   if model.startswith("moe-"):
@@ -120,7 +123,7 @@ def _preset(model: str, n_stages: int, even: bool):
   kw = (dict(n_layers=8) if model == "tiny" else
         dict(dtype=jnp.bfloat16, param_dtype=jnp.float32))
   config = gpt.get_config(model, n_stages=n_stages, **kw)
-  if even or n_stages == 1:
+  if not balanced or n_stages == 1:
     return config
   return dataclasses.replace(config, stage_layers=gpt.balanced_stage_layers(config, n_stages))
 
@@ -145,7 +148,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   pipe = parse_pipeline(base, zero)
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
-  config = _config(model, n_stages, even="even" in mods, bf16="bf16" in mods, attention=attention)
+  config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods, attention=attention)
   layers = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
   if layers:
     if len(layers[0]) != n_stages or sum(layers[0]) != config.n_layers:
@@ -236,11 +239,15 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     from piper_jax.lowering.layout import ParamLayout
     from piper_jax.lowering.trace import TracedLoss
     # For A/B runs: "+nocast", weights sliced and cast by every task, not once per step;
-    # "+cast", cast once per step in a pipeline below ZeRO-3 too.
-    casts = (mock.patch.object(TracedLoss, "param_casts", lambda self: {}) if "nocast" in mods
-             else mock.patch.object(ParamLayout, "cast_in_pipelines", True) if "cast" in mods
-             else contextlib.nullcontext())
-    with casts:
+    # "+cast", cast once per step in a pipeline below ZeRO-3 too; "+nodistopt", ZeRO-1/2
+    # without the distributed optimizer (replicated fp32 masters, all-gathered in fp32).
+    with contextlib.ExitStack() as patches:
+      if "nocast" in mods:
+        patches.enter_context(mock.patch.object(TracedLoss, "param_casts", lambda self: {}))
+      if "cast" in mods:
+        patches.enter_context(mock.patch.object(ParamLayout, "cast_in_pipelines", True))
+      if "nodistopt" in mods:
+        patches.enter_context(mock.patch.object(ParamLayout, "shards_masters", False))
       call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in mods)
     state = call.init(params)
     if base.startswith("pp-"):

@@ -208,22 +208,15 @@ class ParamLayout:
     self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
 
   @property
-  def keeps_copy(self) -> bool:
-    """Whether a step keeps the fp32 masters sharded like the optimizer state and reads a
-    replicated copy of the parameters with cast leaves in their cast dtype (`copy`).
+  def shards_masters(self) -> bool:
+    """Whether ZeRO-1/2 keep the parameters sharded like the optimizer state and gather
+    them at the start of each step (`gather_masters`), as Megatron's distributed optimizer.
 
-    ZeRO-1/2 with weights read in a narrower dtype (Megatron's distributed optimizer):
-    the update runs on this replica's shard of the masters and the new copy is
-    all-gathered in bf16, half the bytes of gathering fp32 masters.
+    Only with weights the model reads in a narrower dtype: those are all-gathered in
+    bf16 (half the bytes of gathering the fp32 parameters after the update, which
+    ZeRO-1/2 otherwise do), and the gathered copy lives for the step only.
     """
     return self.zero in (1, 2) and self.n_dp > 1 and any(j != SHARED for j, _ in self.cast_slots)
-
-  def copy(self, buffers: dict) -> dict:
-    """The buffers a step reads under `keeps_copy`: slots of cast leaves in their cast dtype."""
-    slots = {dt: [x.astype(self.cast_to[dt]) if (j, dt) in self.cast_slots else x
-                  for j, x in zip(self.slot_ids[dt], xs)]
-             for dt, xs in buffers["slots"].items()}
-    return dict(buffers, slots=slots)
 
   # -- shapes and shardings -------------------------------------------------
 
@@ -328,20 +321,22 @@ class ParamLayout:
     """This device's piece of split leaf `p`."""
     return local["split"][self.split_pos[p]][0, 0]
 
-  def gather_copy(self, local: dict) -> dict:
-    """Under `keeps_copy`: this replica's shards of the masters -> the whole copy the
-    step reads, each cast before it is all-gathered (bf16 on the wire)."""
-    dp, cast = self.data_axes, self.copy(local)
+  def gather_masters(self, local: dict) -> dict:
+    """Under `shards_masters`: this replica's shards of the parameters -> the whole
+    buffers, slots of cast leaves cast before they are all-gathered (bf16 on the wire)."""
+    dp = self.data_axes
+    slots = {dt: [lax.all_gather(x.astype(self.cast_to[dt]) if (j, dt) in self.cast_slots else x,
+                                 dp, axis=1, tiled=True)
+                  for j, x in zip(self.slot_ids[dt], xs)]
+             for dt, xs in local["slots"].items()}
     split = []
-    for pos, x in enumerate(cast["split"]):
+    for pos, x in enumerate(local["split"]):
       d = self.split_zero_dim(pos)
       axes = self.copies[self.split_positions[pos][2]][0]
       split.append(x if d is None else lax.all_gather(x, axes, axis=2 + d, tiled=True))
-    return {"slots": {dt: [lax.all_gather(x, dp, axis=1, tiled=True) for x in xs]
-                      for dt, xs in cast["slots"].items()},
+    return {"slots": slots, "split": split,
             "shared": {dt: lax.all_gather(x, dp, axis=0, tiled=True)
-                       for dt, x in cast["shared"].items()},
-            "split": split}
+                       for dt, x in local["shared"].items()}}
 
   def leaf(self, segment: jax.Array, h: Home) -> jax.Array:
     return segment[h.offset:h.offset + h.size].reshape(h.shape)

@@ -244,6 +244,8 @@ class Program:
     """One training step on local shards -> (grads like params, summed mean loss)."""
     st = _State()
     layout = self.layout
+    if layout.shards_masters:  # whole for the step, cast slots gathered in bf16
+      params = layout.gather_masters(params)
     # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
     # are cast once per step here, or all-gathered in that dtype per tick under ZeRO-3,
     # instead of being cast again from fp32 in every task that reads them.

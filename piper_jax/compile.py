@@ -27,24 +27,20 @@ class TrainState:
 
   A pytree of `jax.Array`s whose shards show the partitioning; it remembers the
   `TrainStep` that made it (static, not a leaf) so that checkpoints can write the
-  canonical layout. `model` is the replicated copy of `params` the step reads, with
-  bf16-read weights in bf16, where ZeRO-1/2 keep the fp32 `params` sharded (see
-  `ParamLayout.keeps_copy`); None otherwise.
+  canonical layout.
   """
 
-  __slots__ = ("params", "opt_state", "owner", "model")
+  __slots__ = ("params", "opt_state", "owner")
 
-  def __init__(self, params: dict, opt_state: Any, owner: "TrainStep | None" = None,
-               model: dict | None = None):
-    self.params, self.opt_state, self.owner, self.model = params, opt_state, owner, model
+  def __init__(self, params: dict, opt_state: Any, owner: "TrainStep | None" = None):
+    self.params, self.opt_state, self.owner = params, opt_state, owner
 
   def tree_flatten(self):
-    return (self.params, self.opt_state, self.model), self.owner
+    return (self.params, self.opt_state), self.owner
 
   @classmethod
   def tree_unflatten(cls, owner, children):
-    params, opt_state, model = children
-    return cls(params, opt_state, owner, model)
+    return cls(*children, owner)
 
   def __iter__(self):
     return iter((self.params, self.opt_state))
@@ -112,23 +108,19 @@ class TrainStep:
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
     zero = pm.zero
-    # The step reads parameters laid out as `read_specs`; the fp32 masters are sharded
-    # like the gradients where ZeRO-1/2 keep a bf16 copy (`layout.keeps_copy`).
-    copy = layout.keeps_copy
-    read_specs = layout.specs(sharded=zero >= 3, split_sharded=zero >= 3)
+    # ZeRO-1/2 with bf16-read weights keep the fp32 masters sharded like the gradients
+    # (`layout.shards_masters`); ZeRO-3 shards them too.
+    sharded = zero >= 3 or layout.shards_masters
+    param_specs = layout.specs(sharded=sharded, split_sharded=sharded)
     grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
-    param_specs = grad_specs if copy else read_specs
     n_batch = len(traced.spec.batch)
     batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")
     body = _shard_map(self._program.body, self.mesh,
-                      in_specs=(read_specs, [batch_spec] * n_batch),
+                      in_specs=(param_specs, [batch_spec] * n_batch),
                       out_specs=(grad_specs, P()))
     to_sharding = lambda specs: jax.tree_util.tree_map(
         lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     self._param_shardings = to_sharding(param_specs)
-    copy_shardings = to_sharding(read_specs) if copy else None
-    gather_copy = _shard_map(layout.gather_copy, self.mesh, in_specs=(grad_specs,),
-                             out_specs=read_specs) if copy else None
     shapes = layout.shapes()
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
     # Optimizer state leaves shaped like a parameter buffer are partitioned like
@@ -139,16 +131,14 @@ class TrainStep:
       opt_spec_of.setdefault(s.shape, spec)
     opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
     self._opt_shardings = to_sharding(opt_specs)
-    self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self,
-                                       copy_shardings)
+    self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
     self._batch_sharding = NamedSharding(self.mesh, batch_spec)
     replicated = NamedSharding(self.mesh, P())
 
     def step_fn(state: TrainState, batch: list):
-      grads, loss = body(state.params if state.model is None else state.model, batch)
+      grads, loss = body(state.params, batch)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
-      return TrainState(params, opt_state, self, gather_copy(params) if copy else None), loss
+      return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
 
     self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
                          out_shardings=(self._state_shardings, replicated), donate_argnums=0)
@@ -156,7 +146,6 @@ class TrainStep:
     self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
     self._pack_opt = jax.jit(layout.pack, out_shardings=to_sharding(grad_specs))
     self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
-    self._copy = jax.jit(gather_copy, out_shardings=copy_shardings) if copy else None
     self._to_canonical = None
 
   # -- public API ---------------------------------------------------------------
@@ -168,10 +157,7 @@ class TrainStep:
       raise ValueError(f"params have structure {tree}, but the step was compiled for "
                        f"{self._traced.param_tree}")
     buffers = self._pack(self._onto_mesh(leaves))
-    return self._state(buffers, self._opt_init(buffers))
-
-  def _state(self, buffers: dict, opt_state: Any) -> TrainState:
-    return TrainState(buffers, opt_state, self, None if self._copy is None else self._copy(buffers))
+    return TrainState(buffers, self._opt_init(buffers), self)
 
   def _onto_mesh(self, leaves: list) -> list:
     """Leaves placed on other devices than the step's (say, on one device by
@@ -263,7 +249,7 @@ class TrainStep:
     opt = [self._pack_opt(self._onto_mesh(jax.tree_util.tree_leaves(x))) if _is_buffers(sh)
            else jax.device_put(x, sh, may_alias=False) for x, sh in zip(parts, shards)]
     leaves = jax.tree_util.tree_leaves(tree["params"])
-    return self._state(self._pack(self._onto_mesh(leaves)), outer.unflatten(opt))
+    return TrainState(self._pack(self._onto_mesh(leaves)), outer.unflatten(opt), self)
 
   def canonical_shapes(self) -> dict:
     """Shapes and dtypes of `canonical(state)` (replicated on this step's mesh), for restoring."""

@@ -74,7 +74,7 @@ def test_profile_summary(tmp_path):
 def test_baseline_of_each_variant():
   sys.path.insert(0, ROOT)
   from benchmarks.run import BASELINE_OF
-  assert BASELINE_OF("pp-1f1b@z3+even") == "jit-dp"
+  assert BASELINE_OF("pp-1f1b@z3+balanced") == "jit-dp"
   assert BASELINE_OF("zero3") == "gspmd-fsdp"
   assert BASELINE_OF("zero1+bf16") == "jit-dp+bf16"  # pure bf16 against pure bf16
   assert BASELINE_OF("jit-dp+bf16") == "jit-dp+bf16"

@@ -136,9 +136,8 @@ def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1/2: DP; ZeRO-3: 1F1B x DP2
-  # fp32 master weights that the model only reads as bf16 are cast once per step (ZeRO-3:
-  # all-gathered as bf16; ZeRO-1/2: a bf16 copy all-gathered after the update) instead
-  # of in every task; the numbers do not change.
+  # fp32 master weights that the model only reads as bf16 are cast once per step (ZeRO-1/2
+  # and ZeRO-3: all-gathered as bf16) instead of in every task; the numbers do not change.
   import numpy as np
   import models
   loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
@@ -157,21 +156,19 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1/2: DP; ZeRO-
     gathered[dt] += math.prod(int(d) for d in dims.split("x"))
   assert gathered["bf16"] > 20 * gathered["f32"], gathered
   if zero < 3:
-    # ZeRO-1/2 (Megatron's distributed optimizer): the fp32 masters are sharded like the
-    # optimizer state; the step reads a replicated copy whose cast slots are bf16.
-    assert step._layout.keeps_copy
+    # ZeRO-1/2 (Megatron's distributed optimizer): the fp32 parameters are sharded like
+    # the optimizer state and gathered (cast slots in bf16) as the step starts.
+    assert step._layout.shards_masters
     for x in jax.tree_util.tree_leaves(state.params):
       assert all(s.data.size * 8 == x.size for s in x.addressable_shards), x.sharding
-    dtypes = {str(x.dtype) for x in state.model["slots"]["float32"]}
-    assert dtypes == {"float32", "bfloat16"}, dtypes
-    # A checkpoint's canonical layout rebuilds the copy: the next step is the same.
+    # The canonical layout (checkpoints) restores them: the next step is the same.
     again = step.from_canonical(step.canonical(state))
     (a, la), (b, lb) = step(state, batches[0]), step(again, batches[0])
     assert float(la) == float(lb)
     jax.tree_util.tree_map(np.testing.assert_array_equal, step.params(a), step.params(b))
   plain_step = _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got,
                                       monkeypatch)
-  assert not plain_step._layout.cast and not plain_step._layout.keeps_copy
+  assert not plain_step._layout.cast and not plain_step._layout.shards_masters
 
 
 def test_fp32_model_has_no_weight_casts():

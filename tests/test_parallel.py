@@ -70,6 +70,28 @@ def test_expert_parallel(n, zero, batches_of):
   assert len(a2a) == 2 * 2 * config.n_layers  # in and out of every expert F and B
 
 
+def test_expert_parallel_zero1_bf16_shards_the_masters(monkeypatch):
+  # ZeRO-1 with bf16 compute (the distributed optimizer): the experts' fp32 pieces are
+  # sharded over their 2 copies too and gathered as the step starts; the numbers are
+  # those of the replicated-parameter ZeRO-1.
+  import jax.numpy as jnp
+  import models
+  from piper_jax.lowering.layout import ParamLayout
+  config, loss, params = _moe(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  batches = [gpt.random_batch(config, jax.random.PRNGKey(i), 8, pattern_seed=1) for i in range(2)]
+  directives = [pj.replicate({}, [0, 1, 2, 3], zero=1), pj.shard({"EP": "*"}, [0, 1])]
+  losses, got, step, state = models.piper_run(loss, params, batches, MOE_TX, directives)
+  assert step._layout.shards_masters
+  assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2 // 2}
+  monkeypatch.setattr(ParamLayout, "shards_masters", False)
+  want_losses, want, _, _ = models.piper_run(loss, params, batches, MOE_TX, directives)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                         got, want)
+  ref, _ = models.reference_run(loss, params, batches, MOE_TX)
+  np.testing.assert_allclose(losses, ref, rtol=2e-2)  # bf16 compute
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
 def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   # 2 pipeline ranks x 4 devices each; experts split over blocks of 2 of them, the blocks
