@@ -17,6 +17,7 @@ gradients reduced only over their copies (`_finish_split`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -39,6 +40,15 @@ __all__ = ["Program"]
 # residual k of F; ("ct", region, mb, i) cotangent of input i, made by B or BI;
 # ("wres", region, mb, k) value k that BI leaves for BW.
 _GRAD_PASSES = (Pass.B, Pass.BW)
+
+
+def _backward_input(ad: RegionAD, split: BackwardSplit, stored, params, batch, acts, outs, cts):
+  return backward_input(split, full_residuals(ad, stored, params, batch, acts, outs), cts)
+
+
+def _backward_weight(ad: RegionAD, split: BackwardSplit, stored, params, batch, acts, outs, cts,
+                     carry):
+  return backward_weight(split, full_residuals(ad, stored, params, batch, acts, outs), cts, carry)
 
 
 def _zeros(sig) -> jax.Array:
@@ -81,6 +91,15 @@ class Program:
     self._plan_grads()
     self._plan_values()
     self.window = find_window(self) if roll else None
+    self._passes: dict[tuple, Any] = {}
+
+  def _pass(self, name: str, region: int, fn):
+    """`fn` (one pass of a region), jitted once per (pass, region): traced for the
+    first microbatch and called for the rest, so the lowered program holds one copy."""
+    key = (name, region)
+    if key not in self._passes:
+      self._passes[key] = jax.jit(fn)
+    return self._passes[key]
 
   # -- static analysis: who produces and reads every value ----------------------
 
@@ -537,7 +556,8 @@ class Program:
           acts = [read(("act", x.region, m, x.output)) for x in spec.inputs]
           if ep:
             acts = [self._dispatch(x) for x in acts]
-          outs, stored = region_forward(self.runner, ad, params, batch, acts)
+          forward = self._pass("F", r, functools.partial(region_forward, self.runner, ad))
+          outs, stored = forward(params, batch, acts)
           if ep:
             outs = [self._combine(x) for x in outs]
           for k, x in enumerate(outs):
@@ -565,19 +585,20 @@ class Program:
           if spec.produces_loss and k == self.traced.loss_output():
             ct = ct + jnp.asarray(1.0 / (self.n_data * self.n_mb), ct.dtype)
           cts.append(self._dispatch(ct) if ep else ct)
+        args = (stored, params, batch, acts, outs, cts)
         if t.pass_ is Pass.B:
-          d_params, d_acts = region_backward(ad, stored, params, batch, acts, outs, cts)
+          d_params, d_acts = self._pass("B", r, functools.partial(region_backward, ad))(*args)
+        elif t.pass_ is Pass.BI:
+          d_acts, carry = self._pass("BI", r, functools.partial(_backward_input, ad,
+                                                                 self.split[r]))(*args)
+          for k, x in enumerate(carry):
+            env[("wres", r, m, k)] = x
+          d_params = []
         else:
-          res = full_residuals(ad, stored, params, batch, acts, outs)
-          if t.pass_ is Pass.BI:
-            d_acts, carry = backward_input(self.split[r], res, cts)
-            for k, x in enumerate(carry):
-              env[("wres", r, m, k)] = x
-            d_params = []
-          else:
-            carry = [read(("wres", r, m, k)) for k in range(len(self.split[r].carry))]
-            d_params = backward_weight(self.split[r], res, cts, carry)
-            d_acts = []
+          carry = [read(("wres", r, m, k)) for k in range(len(self.split[r].carry))]
+          d_params = self._pass("BW", r, functools.partial(_backward_weight, ad,
+                                                           self.split[r]))(*args, carry)
+          d_acts = []
         for i, x in zip(ad.diff_acts, d_acts):
           env[("ct", r, m, i)] = self._combine(x) if ep else x
         for i, g in zip(ad.diff_params, d_params):
