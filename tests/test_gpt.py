@@ -134,8 +134,8 @@ def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got
   return plain_step
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1/2: DP; ZeRO-3: 1F1B x DP2
+@pytest.mark.parametrize("zero", [1, 3])  # ZeRO-2: test_parallel's expert-parallel ZeRO-2
+def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3: 1F1B x DP2
   # fp32 master weights that the model only reads as bf16 are cast once per step (ZeRO-1/2
   # and ZeRO-3: all-gathered as bf16) instead of in every task; the numbers do not change.
   import numpy as np
@@ -155,7 +155,7 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1/2: DP; ZeRO-
   for dims, dt in re.findall(r"all_gather.*-> tensor<([\dx]+)x(f32|bf16)>", hlo):
     gathered[dt] += math.prod(int(d) for d in dims.split("x"))
   assert gathered["bf16"] > 20 * gathered["f32"], gathered
-  if zero < 3:
+  if zero == 1:
     # ZeRO-1/2 (Megatron's distributed optimizer): the fp32 parameters are sharded like
     # the optimizer state and gathered (cast slots in bf16) as the step starts.
     assert step._layout.shards_masters

@@ -70,16 +70,16 @@ def test_expert_parallel(n, zero, batches_of):
   assert len(a2a) == 2 * 2 * config.n_layers  # in and out of every expert F and B
 
 
-def test_expert_parallel_zero1_bf16_shards_the_masters(monkeypatch):
-  # ZeRO-1 with bf16 compute (the distributed optimizer): the experts' fp32 pieces are
+def test_expert_parallel_zero2_bf16_shards_the_masters(monkeypatch):
+  # ZeRO-2 with bf16 compute (the distributed optimizer): the experts' fp32 pieces are
   # sharded over their 2 copies too and gathered as the step starts; the numbers are
-  # those of the replicated-parameter ZeRO-1.
+  # those of the replicated-parameter ZeRO-2.
   import jax.numpy as jnp
   import models
   from piper_jax.lowering.layout import ParamLayout
   config, loss, params = _moe(dtype=jnp.bfloat16, param_dtype=jnp.float32)
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), 8, pattern_seed=1) for i in range(2)]
-  directives = [pj.replicate({}, [0, 1, 2, 3], zero=1), pj.shard({"EP": "*"}, [0, 1])]
+  directives = [pj.replicate({}, [0, 1, 2, 3], zero=2), pj.shard({"EP": "*"}, [0, 1])]
   losses, got, step, state = models.piper_run(loss, params, batches, MOE_TX, directives)
   assert step._layout.shards_masters
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2 // 2}
