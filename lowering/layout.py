@@ -321,6 +321,14 @@ class ParamLayout:
     """This device's piece of split leaf `p`."""
     return local["split"][self.split_pos[p]][0, 0]
 
+  def gather_piece(self, x: jax.Array, pos: int) -> jax.Array:
+    """Split position `pos`'s [1, 1, *piece] buffer, sharded over its copies by ZeRO
+    (`split_zero_dim`), all-gathered whole again."""
+    d = self.split_zero_dim(pos)
+    if d is None:
+      return x
+    return lax.all_gather(x, self.copies[self.split_positions[pos][2]][0], axis=2 + d, tiled=True)
+
   def gather_masters(self, local: dict) -> dict:
     """Under `shards_masters`: this replica's shards of the parameters -> the whole
     buffers, slots of cast leaves cast before they are all-gathered (bf16 on the wire)."""
@@ -329,11 +337,7 @@ class ParamLayout:
                                  dp, axis=1, tiled=True)
                   for j, x in zip(self.slot_ids[dt], xs)]
              for dt, xs in local["slots"].items()}
-    split = []
-    for pos, x in enumerate(local["split"]):
-      d = self.split_zero_dim(pos)
-      axes = self.copies[self.split_positions[pos][2]][0]
-      split.append(x if d is None else lax.all_gather(x, axes, axis=2 + d, tiled=True))
+    split = [self.gather_piece(x, pos) for pos, x in enumerate(local["split"])]
     return {"slots": slots, "split": split,
             "shared": {dt: lax.all_gather(x, dp, axis=0, tiled=True)
                        for dt, x in local["shared"].items()}}

@@ -453,10 +453,7 @@ class Program:
       return local
     out = list(local)
     for k in sorted({layout.split_pos[p] for p in read if p in layout.split}):
-      d = layout.split_zero_dim(k)
-      if d is not None:
-        axes = layout.copies[layout.split_positions[k][2]][0]
-        out[k] = lax.all_gather(local[k], axes, axis=2 + d, tiled=True)
+      out[k] = layout.gather_piece(local[k], k)
     return out
 
   def _finish_split(self, split_acc: dict[int, jax.Array]) -> list[jax.Array]:
