@@ -291,7 +291,8 @@ class Program:
       t += 1
     acc = st.acc
     if self.layout.zero < 2:
-      acc = self._assemble(acc, None if self.buckets else self.reduce_dtype) if acc else {}
+      # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
+      acc = self._assemble(acc, self.reduce_dtype) if acc else {}
     out = self._finish_grads(acc)
     out["split"] = self._finish_split(st.split_acc)
     return out, lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
@@ -376,7 +377,8 @@ class Program:
       for bucket in self.buckets.get(tick_i, []):
         # One all-reduce of several arrays as soon as they are final, which XLA
         # can overlap with the backward work that follows.
-        summed = self._grad_collective(lax.psum, tuple(st.acc[p] for p in bucket), axes)
+        summed = self._grad_collective(lax.psum, tuple(st.acc[p] for p in bucket), axes,
+                                       keep_dtype=False)
         st.acc.update(zip(bucket, summed))
 
   def _loop(self, w: Window, st: "_State", params: dict, batch: list):
@@ -434,14 +436,17 @@ class Program:
     info = self.ticks[loc[1]]
     return info["keep"][0][loc[2]] if loc[0] == "keep" else info["rounds"][loc[2]][1][loc[3]]
 
-  def _grad_collective(self, op, x, *args, **kwargs):
+  def _grad_collective(self, op, x, *args, keep_dtype: bool = True, **kwargs):
     """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
-    tuple), run in the plan's `reduce_dtype` where it has one."""
+    tuple), run in the plan's `reduce_dtype` where it has one; the result is cast back
+    to x's dtype unless `keep_dtype` is False."""
     dt = self.reduce_dtype
     if dt is None:
       return op(x, *args, **kwargs)
     cast = lambda t, to: t.astype(to) if jnp.issubdtype(t.dtype, jnp.floating) else t
     out = op(jax.tree_util.tree_map(lambda t: cast(t, dt), x), *args, **kwargs)
+    if not keep_dtype:
+      return out
     return jax.tree_util.tree_map(lambda t, ref: cast(t, ref.dtype), out, x)
 
   def _split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
