@@ -18,19 +18,3 @@ import sys  # noqa: E402
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)  # for `examples.gpt`
-
-import pytest  # noqa: E402
-
-
-_TESTS_RUN = [0]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_jax_caches():
-  """Drops compiled programs every 25 tests: one process that kept ~150 tests'
-  executables (a serial `pytest tests`) crashed inside XLA's CPU runtime; clearing
-  after every test also cured it, at ~10% more time."""
-  yield
-  _TESTS_RUN[0] += 1
-  if _TESTS_RUN[0] % 25 == 0:
-    jax.clear_caches()
