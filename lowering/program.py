@@ -266,7 +266,8 @@ class Program:
     if layout.shards_masters:  # whole for the step, cast slots gathered in bf16
       params = layout.gather_masters(params)
     # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
-    # are cast once per step here, or all-gathered in that dtype per tick under ZeRO-3,
+    # are cast once per step here (under `shards_masters` they arrive gathered in that
+    # dtype, and the cast is a no-op), or all-gathered in that dtype per tick under ZeRO-3,
     # instead of being cast again from fp32 in every task that reads them.
     if layout.zero < 3 and layout.cast_to:  # the cast copies of the slots with cast leaves
       params = dict(params, cast={
