@@ -344,3 +344,18 @@ def test_data_parallel_microbatches_accumulate_in_turn():
       "r0F0", "r1F0", "r1B0", "r0B0", "r0F1", "r1F1", "r1B1", "r0B1"]
   text = step.lower(state, random_batch(jax.random.PRNGKey(0), 32)).as_text()
   assert len(re.findall(r"stablehlo\.all_gather", text)) == 5  # r0F0 r1F0 r0B0 r1F1 r0B1
+
+
+@pytest.mark.parametrize("zero,bucket_mb", [(0, None), (0, 25.0), (1, None), (3, None)])
+def test_gradient_leaves_materialized_before_their_segment(zero, bucket_mb):
+  # Each raveled gradient leaf passes an optimization barrier before it is copied into
+  # its flat segment, so that XLA cannot fuse its producer (a bias gradient's reduction)
+  # into the segment's concatenate; bucketed sums come out of an all-reduce already.
+  from models import random_batch
+  loss, params = _mlp(2)
+  step, state = assert_same_run(loss, params,
+                                pj.strategies.data_parallel(8, zero=zero, bucket_mb=bucket_mb))
+  text = step.lower(state, random_batch(jax.random.PRNGKey(0), 16)).as_text()
+  leaves = len(jax.tree_util.tree_leaves(params))
+  assert text.count("stablehlo.optimization_barrier") == (0 if bucket_mb else leaves), text.count(
+      "stablehlo.optimization_barrier")
