@@ -9,8 +9,9 @@ then sees those ticks once instead of `iters` times):
   every rank, keeps and sends its values at the same positions, and adds to the same
   gradient sums;
 * from the second iteration on, every read comes from the place the previous
-  iteration's read came from, `length` ticks later, and no value is read more than
-  one iteration after it is made. The body reads where the second iteration reads
+  iteration's read came from, `length` ticks later, and every value is read less than
+  `length` ticks after it is made: a carried value is read before the tick that makes
+  its successor, so XLA writes the successor into the carried buffer with no copy. The body reads where the second iteration reads
   (shifted back, `Window.reads`), so the loop carries only the previous iteration's
   values (`carry`); the first iteration reads the ticks before the loop, which may lay
   their values out differently, through `entry`;
@@ -115,8 +116,12 @@ def _fit(prog: Any, reads: list, far: list, start: int, end: int, period: int, m
   for length in range(period, (end - start) // min_iters + 1, period):
     if start + length < regular:
       continue  # the second iteration's reads would not repeat
-    if max(far[start + length:end], default=0) > length:
-      continue  # a value would cross more than one iteration
+    if max(far[start + length:end], default=0) >= length:
+      # A value read `length` ticks after it is made would be read by the tick that
+      # makes its successor, one switch reading the carried buffer and writing the
+      # new value, which XLA then copies into it every iteration; farther, it would
+      # cross more than one iteration.
+      continue
     w = _loop_of(prog, reads, start, end, length, mbs * length // period, min_iters)
     if w and (best is None or _saved(w) > _saved(best)):
       best = w

@@ -359,3 +359,29 @@ def test_gradient_leaves_materialized_before_their_segment(zero, bucket_mb):
   leaves = len(jax.tree_util.tree_leaves(params))
   assert text.count("stablehlo.optimization_barrier") == (0 if bucket_mb else leaves), text.count(
       "stablehlo.optimization_barrier")
+
+
+def test_rolled_loop_carries_values_without_copies():
+  # A value a tick keeps for the next iteration is read there before the tick that
+  # makes its successor runs (the body is longer than the farthest read), so XLA can
+  # write the new value into the carried buffer: the loop body copies no array. With a
+  # body as long as the farthest read, one conditional read the old value and made the
+  # new one, and XLA copied every such value once per iteration.
+  import re
+  loss, params = _mlp(2)
+  step, state = assert_same_run(loss, params, pj.strategies.pipeline(2, 8, "1f1b"),
+                                batch_size=16, roll=True)
+  assert step.rolled.iters >= 2
+  text = step.lower(state, _batch(16)).compile().as_text()
+  comps, cur = {}, None
+  for line in text.splitlines():
+    m = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if m:
+      cur = comps[m.group(1)] = []
+    elif cur is not None:
+      cur.append(line)
+  bodies = re.findall(r"while\(.*body=%?([\w.\-]+)", text)
+  assert bodies
+  for body in bodies:
+    copies = [l for l in comps[body] if re.search(r"= \w+\[\d[\d,]*\]\S* copy\(", l)]
+    assert not copies, copies[:3]
