@@ -489,7 +489,7 @@ class Program:
     `materialize`: each raveled leaf is computed on its own (an optimization barrier)
     instead of fused into the segment's concatenate, whose GPU emitter ran a fused
     bias-gradient reduction with one thread per column: 0.78 ms a block on the
-    1.34B GPT, a sixth of a 4-GPU ZeRO-3 step (RESULTS.md, run AJ)."""
+    1.34B GPT, a fifth of a 4-GPU ZeRO-3 step (RESULTS.md, run AJ)."""
     layout = self.layout
     keys = self._segment_keys(grads)
 

@@ -11,10 +11,11 @@ then sees those ticks once instead of `iters` times):
 * from the second iteration on, every read comes from the place the previous
   iteration's read came from, `length` ticks later, and every value is read less than
   `length` ticks after it is made: a carried value is read before the tick that makes
-  its successor, so XLA writes the successor into the carried buffer with no copy. The body reads where the second iteration reads
-  (shifted back, `Window.reads`), so the loop carries only the previous iteration's
-  values (`carry`); the first iteration reads the ticks before the loop, which may lay
-  their values out differently, through `entry`;
+  its successor, so XLA writes the successor into the carried buffer with no copy.
+  The body reads where the second iteration reads (shifted back, `Window.reads`), so
+  the loop carries only the previous iteration's values (`carry`); the first
+  iteration reads the ticks before the loop, which may lay their values out
+  differently, through `entry`;
 * the ticks after the loop read only the last iteration's values (`carry` shifted,
   and `exits`).
 
