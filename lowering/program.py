@@ -330,10 +330,11 @@ class Program:
     return segs, cast
 
   def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None,
-            gathered: tuple[dict, dict] | None = None):
+            gathered: tuple[dict, dict] | None = None, in_order: bool = False):
     """Runs tick `tick_i` (its microbatches `shift` later) and its collectives on `st`;
     `loc` overrides where its reads are found ((key, rank) -> location); `gathered`:
-    the tick's ZeRO-3 segments if already all-gathered (`_gather`)."""
+    the tick's ZeRO-3 segments if already all-gathered (`_gather`); `in_order`: the
+    tick's switch waits for the previous tick's, even where it reads nothing from it."""
     plan, layout = self.plan, self.layout
     loc = self.loc if loc is None else loc
     zero, axes = layout.zero, self.data_axes
@@ -359,6 +360,12 @@ class Program:
                 "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
     branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
                 for rank in range(plan.n_ranks)]
+    if in_order:
+      # In a rolled loop, a tick that reads a carried value must run before the later
+      # tick that makes its successor, or XLA copies the value every iteration (ZB's
+      # F-only ticks read nothing of the tick before them): every branch reads the loss
+      # so far (an optimization barrier around the operands does not survive XLA).
+      operands["after"] = st.loss
     keep, rounds, grads, tick_loss = self._switch(branches, operands)
     st.loss = st.loss + tick_loss
     for pos, x in enumerate(keep):
@@ -404,7 +411,7 @@ class Program:
       inner = _State(dict(zip(w.carry, c["carry"])), dict(zip(acc_keys, c["acc"])),
                      dict(zip(split_keys, c["split"])), c["loss"])
       for t in body_ticks:
-        self._tick(t, inner, params, batch, j * w.mb_shift, reads)
+        self._tick(t, inner, params, batch, j * w.mb_shift, reads, in_order=True)
       return {"carry": [inner.arrays[shift_loc(k, w.length)] for k in w.carry],
               "exits": [inner.arrays[k] for k in w.exits],
               "acc": [inner.acc[k] for k in acc_keys],
@@ -654,6 +661,8 @@ class Program:
           grads[pos] = filler(self.grad_positions[pos])
         else:
           grads[pos] = _zeros(self.grad_positions[pos]) if old is None else old
+      if "after" in ops:
+        loss = loss + 0 * ops["after"]
       return keep, rounds, grads, loss
 
     return run

@@ -361,18 +361,22 @@ def test_gradient_leaves_materialized_before_their_segment(zero, bucket_mb):
       "stablehlo.optimization_barrier")
 
 
-def test_rolled_loop_carries_values_without_copies():
+@pytest.mark.parametrize("schedule,dp,zero,n_mb", [("1f1b", 1, 0, 8), ("zb", 2, 2, 16)])
+def test_rolled_loop_carries_values_without_copies(schedule, dp, zero, n_mb):
   # A value a tick keeps for the next iteration is read there before the tick that
-  # makes its successor runs (the body is longer than the farthest read), so XLA can
-  # write the new value into the carried buffer: the loop body copies no array. With a
-  # body as long as the farthest read, one conditional read the old value and made the
-  # new one, and XLA copied every such value once per iteration.
+  # makes its successor runs (the body is longer than the farthest read, and each tick
+  # waits for the one before it), so XLA can write the new value into the carried
+  # buffer: the loop body copies no array. With a body as long as the farthest read,
+  # one conditional read the old value and made the new one; in ZB, whose F-only ticks
+  # read nothing of the tick before, XLA ran the later tick first; either way it copied
+  # every such value once per iteration.
   import re
   loss, params = _mlp(2)
-  step, state = assert_same_run(loss, params, pj.strategies.pipeline(2, 8, "1f1b"),
-                                batch_size=16, roll=True)
+  step, state = assert_same_run(loss, params,
+                                pj.strategies.pipeline(2, n_mb, schedule, dp=dp, zero=zero),
+                                batch_size=16 * dp, roll=True)
   assert step.rolled.iters >= 2
-  text = step.lower(state, _batch(16)).compile().as_text()
+  text = step.lower(state, _batch(16 * dp)).compile().as_text()
   comps, cur = {}, None
   for line in text.splitlines():
     m = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
