@@ -661,7 +661,7 @@ class Program:
           grads[pos] = filler(self.grad_positions[pos])
         else:
           grads[pos] = _zeros(self.grad_positions[pos]) if old is None else old
-      if "after" in ops:
+      if "after" in ops:  # ordering only (`_tick`'s in_order); a non-finite loss stays so
         loss = loss + 0 * ops["after"]
       return keep, rounds, grads, loss
 
