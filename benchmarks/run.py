@@ -24,12 +24,14 @@ keeps parameters and optimizer states in bf16 (the PyTorch peer's setting; fp32 
 weights otherwise) and takes its ratio against `jit-dp+bf16`. A `+rbf16` suffix reduces
 the data-parallel gradients in bf16 (`replicate(reduce_dtype="bfloat16")`), as plain
 jit DP does with a bf16-compute model: its all-reduce runs on the bf16 gradient of
-the matmul, before the convert to the fp32 parameter's dtype. A `+roll` suffix compiles
-with `pj.compile(..., roll=True)`: the schedule's steady state runs as one loop. A
+the matmul, before the convert to the fp32 parameter's dtype. A `+noroll` suffix compiles
+with `pj.compile(..., roll=False)`: every tick unrolled instead of the schedule's steady
+state as one loop (`+roll`, the default, is still accepted). A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
 slices and casts its own) and `+cast` turns it on for pipelines below ZeRO-3 (off by
 default there), for A/B runs; `+nodistopt` runs ZeRO-1/2 without the distributed
-optimizer (replicated fp32 parameters, all-gathered in fp32 after the update).
+optimizer (replicated fp32 parameters, all-gathered in fp32 after the update);
+`+nocolsum` sums bias gradients without their own optimization barrier.
 `+L9-7` sets the blocks of each pipeline stage.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
@@ -62,7 +64,8 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
-_SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "cast", "nodistopt")
+_SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "cast", "nodistopt", "nocolsum",
+             "noroll")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
@@ -236,11 +239,13 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
+    from piper_jax.lowering import regions
     from piper_jax.lowering.layout import ParamLayout
     from piper_jax.lowering.trace import TracedLoss
     # For A/B runs: "+nocast", weights sliced and cast by every task, not once per step;
     # "+cast", cast once per step in a pipeline below ZeRO-3 too; "+nodistopt", ZeRO-1/2
-    # without the distributed optimizer (replicated fp32 masters, all-gathered in fp32).
+    # without the distributed optimizer (replicated fp32 masters, all-gathered in fp32);
+    # "+nocolsum", bias gradients summed without their own barrier.
     with contextlib.ExitStack() as patches:
       if "nocast" in mods:
         patches.enter_context(mock.patch.object(TracedLoss, "param_casts", lambda self: {}))
@@ -248,7 +253,9 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
         patches.enter_context(mock.patch.object(ParamLayout, "cast_in_pipelines", True))
       if "nodistopt" in mods:
         patches.enter_context(mock.patch.object(ParamLayout, "shards_masters", False))
-      call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="roll" in mods)
+      if "nocolsum" in mods:
+        patches.enter_context(mock.patch.object(regions, "COLUMN_SUM_ROWS", 0))
+      call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="noroll" not in mods)
     state = call.init(params)
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")

@@ -97,8 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--bucket-mb", type=float, default=25.0,
                  help="dp: all-reduce gradients in buckets of this many MB (replicate's "
                       "bucket_mb; 0: one all-reduce per parameter slot at the step's end)")
-  p.add_argument("--roll", action="store_true",
-                 help="compile the schedule's steady state as one loop (pj.compile(roll=True))")
+  p.add_argument("--no-roll", dest="roll", action="store_false",
+                 help="unroll every tick instead of compiling the schedule's steady state as "
+                      "one loop (pj.compile(roll=False))")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data", default="stdlib",

@@ -56,9 +56,15 @@ def _user_context(eqn):
       info.traceback, name_stack=_source_info.current_name_stack() + info.name_stack)
 
 
-def eval_eqns(eqns: Sequence[Any], env: dict) -> dict:
-  """Evaluates jaxpr equations in order, reading and writing `env` (Var -> value)."""
+def eval_eqns(eqns: Sequence[Any], env: dict, prepare=None) -> dict:
+  """Evaluates jaxpr equations in order, reading and writing `env` (Var -> value).
+
+  `prepare(eqn, vals)`, if given, returns the values an equation is bound on.
+  """
   for eqn in eqns:
-    for v, x in zip(eqn.outvars, bind(eqn, [read(env, v) for v in eqn.invars])):
+    vals = [read(env, v) for v in eqn.invars]
+    if prepare is not None:
+      vals = prepare(eqn, vals)
+    for v, x in zip(eqn.outvars, bind(eqn, vals)):
       env[v] = x
   return env

@@ -80,7 +80,7 @@ class Program:
                                     for r in self.model.regions}
     self.split: dict[int, BackwardSplit] = {}
     for t in plan.tasks.values():
-      if t.pass_ is Pass.BI and t.region not in self.split:
+      if t.pass_ in (Pass.B, Pass.BI) and t.region not in self.split:
         out_avals = runner.out_avals(t.region)
         cts = [out_avals[k] for k in self.ad[t.region].float_outs]
         self.split[t.region] = split_backward(self.ad[t.region], cts, runner.axis_env)
@@ -603,7 +603,8 @@ class Program:
           cts.append(self._dispatch(ct) if ep else ct)
         args = (stored, params, batch, acts, outs, cts)
         if t.pass_ is Pass.B:
-          d_params, d_acts = self._pass("B", r, functools.partial(region_backward, ad))(*args)
+          d_params, d_acts = self._pass("B", r, functools.partial(region_backward, ad,
+                                                                      self.split[r]))(*args)
         elif t.pass_ is Pass.BI:
           d_acts, carry = self._pass("BI", r, functools.partial(_backward_input, ad,
                                                                  self.split[r]))(*args)

@@ -90,7 +90,7 @@ class TrainStep:
 
   def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                directives: Sequence[Directive] | str, params: Any, example_batch: Any,
-               devices: Sequence[jax.Device] | None = None, roll: bool = False):
+               devices: Sequence[jax.Device] | None = None, roll: bool = True):
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
     self.optimizer = optimizer
@@ -198,8 +198,8 @@ class TrainStep:
 
   @property
   def rolled(self):
-    """The ticks run as one loop (`compile(roll=True)`): a `Window` with `start`, `stop`,
-    `length` and `iters`, or None when the step unrolls every tick."""
+    """The ticks run as one loop (`compile(roll=True)`, the default): a `Window` with
+    `start`, `stop`, `length` and `iters`, or None when the step unrolls every tick."""
     return self._program.window
 
   def lower(self, state: TrainState, batch: Any):
@@ -270,7 +270,7 @@ def _is_buffers(x) -> bool:
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
             params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None,
-            roll: bool = False) -> TrainStep:
+            roll: bool = True) -> TrainStep:
   """Compiles a training step of `loss_fn(params, batch)` under a directive list.
 
   Args:
@@ -281,7 +281,9 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
     example_batch: a batch (or its shapes) with the global batch size.
     devices: the devices directive indices refer to; default `jax.devices()`.
     roll: run the schedule's steady state (ticks that repeat with later microbatches)
-      as one `lax.fori_loop` instead of unrolling every tick: XLA compiles it once.
+      as one `lax.fori_loop`, which XLA compiles once (the default; a schedule without
+      a steady state unrolls anyway). False unrolls every tick: a longer compile, for
+      a slightly lower peak (24.3 vs 26.8 GiB on the 1.34B GPT's 1F1B).
 
   Returns:
     A `TrainStep`.

@@ -265,14 +265,24 @@ def test_reduce_dtype_bf16_pipeline_zero2():
     ("1f1b", 2, 1, 0, True), ("1f1b", 4, 2, 3, False), ("zb", 2, 2, 2, False),
     ("dualpipev", 4, 1, 1, False), ("interleaved", 4, 1, 0, False)])
 def test_rolled_steady_state(schedule, stages, dp, zero, tied):
-  # compile(roll=True): the repeating middle of the schedule runs as one lax.fori_loop
-  # (microbatches and values shifted per iteration), with the same numbers.
+  # compile(roll=True), the default: the repeating middle of the schedule runs as one
+  # lax.fori_loop (microbatches and values shifted per iteration), with the same numbers.
   loss, params = _mlp(stages, tied=tied)
   directives = pj.strategies.pipeline(stages, 16, schedule, dp=dp, zero=zero)
-  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp, roll=True)
+  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp)
   w = step.rolled
   assert w is not None and w.iters >= 2, w
   assert "while" in step.lower(state, _batch(16 * dp)).as_text()
+
+
+@pytest.mark.parametrize("schedule,stages,dp,zero", [("1f1b", 4, 2, 3), ("zb", 2, 2, 2)])
+def test_unrolled(schedule, stages, dp, zero):
+  # compile(roll=False): every tick inlined, no loop, the same numbers.
+  loss, params = _mlp(stages)
+  directives = pj.strategies.pipeline(stages, 8, schedule, dp=dp, zero=zero)
+  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp, roll=False)
+  assert step.rolled is None
+  assert "stablehlo.while" not in step.lower(state, _batch(16 * dp)).as_text()
 
 
 def test_pipeline_microbatch_shaped_like_a_weight():
@@ -339,7 +349,7 @@ def test_data_parallel_microbatches_accumulate_in_turn():
   from models import random_batch
   loss, params = _mlp(2)
   directives = [pj.split(2)] + pj.strategies.data_parallel(8, zero=3)
-  step, state = assert_same_run(loss, params, directives, batch_size=32)
+  step, state = assert_same_run(loss, params, directives, batch_size=32, roll=False)
   assert [t.label for tick in step.plan.ticks for t in tick[0]] == [
       "r0F0", "r1F0", "r1B0", "r0B0", "r0F1", "r1F1", "r1B1", "r0B1"]
   text = step.lower(state, random_batch(jax.random.PRNGKey(0), 32)).as_text()
@@ -351,14 +361,42 @@ def test_gradient_leaves_materialized_before_their_segment(zero, bucket_mb):
   # Each raveled gradient leaf passes an optimization barrier before it is copied into
   # its flat segment, so that XLA cannot fuse its producer (a bias gradient's reduction)
   # into the segment's concatenate; bucketed sums come out of an all-reduce already.
+  # (Bias sums' own barriers are switched off here; the next test counts those.)
+  from unittest import mock
+
   from models import random_batch
+
+  from piper_jax.lowering import regions
   loss, params = _mlp(2)
-  step, state = assert_same_run(loss, params,
-                                pj.strategies.data_parallel(8, zero=zero, bucket_mb=bucket_mb))
-  text = step.lower(state, random_batch(jax.random.PRNGKey(0), 16)).as_text()
+  with mock.patch.object(regions, "COLUMN_SUM_ROWS", 0):
+    step, state = assert_same_run(loss, params,
+                                  pj.strategies.data_parallel(8, zero=zero, bucket_mb=bucket_mb))
+    text = step.lower(state, random_batch(jax.random.PRNGKey(0), 16)).as_text()
   leaves = len(jax.tree_util.tree_leaves(params))
   assert text.count("stablehlo.optimization_barrier") == (0 if bucket_mb else leaves), text.count(
       "stablehlo.optimization_barrier")
+
+
+@pytest.mark.parametrize("directives", ["dp", "1f1b", "zb"])
+def test_bias_gradients_summed_from_a_barrier(directives):
+  # A bias's gradient (a sum over the rows of a cotangent) reads the cotangent through an
+  # optimization barrier, so that XLA gives the sum its own kernel instead of fusing it
+  # into LayerNorm's backward, which reads the same cotangent; B, and ZB's BW, alike.
+  import re
+  directives = {"dp": pj.strategies.data_parallel(8, bucket_mb=25.0),
+                "1f1b": pj.strategies.pipeline(2, 4, "1f1b"),
+                "zb": pj.strategies.pipeline(2, 4, "zb")}[directives]
+  loss, params = _mlp(2)
+  step, state = assert_same_run(loss, params, directives)
+  text = step.lower(state, _batch(16)).as_text()
+  n_sums = 0
+  for func in text.split("func.func")[1:]:  # value names are per function
+    barriers = set(re.findall(r"(%\w+) = stablehlo\.optimization_barrier", func))
+    sums = re.findall(r"stablehlo\.reduce\((%\w+) init: %\w+\) applies stablehlo\.add across "
+                      r"dimensions = \[0\] : \(tensor<(?!1x)\d+x16xf32>", func)  # not a unit axis
+    assert all(x in barriers for x in sums), (sums, barriers, func)
+    n_sums += len(sums)
+  assert n_sums >= 2
 
 
 @pytest.mark.parametrize("schedule,dp,zero,n_mb", [("1f1b", 1, 0, 8), ("zb", 2, 2, 16)])
