@@ -59,12 +59,13 @@ def _user_context(eqn):
 def eval_eqns(eqns: Sequence[Any], env: dict, prepare=None) -> dict:
   """Evaluates jaxpr equations in order, reading and writing `env` (Var -> value).
 
-  `prepare(eqn, vals)`, if given, returns the values an equation is bound on.
+  `prepare(eqn, vals)`, if given, returns the values an equation is bound on and the
+  parameters that override its own.
   """
   for eqn in eqns:
-    vals = [read(env, v) for v in eqn.invars]
+    vals, params = [read(env, v) for v in eqn.invars], {}
     if prepare is not None:
-      vals = prepare(eqn, vals)
-    for v, x in zip(eqn.outvars, bind(eqn, vals)):
+      vals, params = prepare(eqn, vals)
+    for v, x in zip(eqn.outvars, bind(eqn, vals, **params)):
       env[v] = x
   return env

@@ -8,6 +8,7 @@ marked as aliases and read from where the input or output already lives.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any
@@ -178,14 +179,61 @@ def region_forward(runner: RegionRunner, ad: RegionAD, params, batch, acts):
 # separate sum cost 1-6%, so only sums over at most this many rows are isolated.
 COLUMN_SUM_ROWS = 4096
 
+# A weight gradient of a bf16 matmul is a bf16 GEMM, then a convert to the fp32
+# parameter's dtype, then (per microbatch) an add to the fp32 sum. With this on, the
+# GEMM writes fp32 itself (Megatron accumulates so, into `main_grad`), which drops the
+# bf16 rounding and the convert and lets XLA fold the add into the GEMM's output.
+# Not yet measured on a GPU, so off.
+WIDE_WEIGHT_GRADS = False
 
-def _isolate_column_sums(eqn, vals):
-  if eqn.primitive.name == "reduce_sum":
-    x, axes = eqn.invars[0].aval, eqn.params["axes"]
-    rows = math.prod(x.shape[a] for a in axes)
-    if len(x.shape) >= 2 and len(x.shape) - 1 not in axes and 1 < rows <= COLUMN_SUM_ROWS:
-      return [jax.lax.optimization_barrier(vals[0])]
-  return vals
+
+def _column_sum(eqn, max_rows: int) -> bool:
+  if eqn.primitive.name != "reduce_sum":
+    return False
+  x, axes = eqn.invars[0].aval, eqn.params["axes"]
+  rows = math.prod(x.shape[a] for a in axes)
+  return len(x.shape) >= 2 and len(x.shape) - 1 not in axes and 1 < rows <= max_rows
+
+
+def _weight_grad_dots(eqns, outvars, grads) -> frozenset:
+  """The bf16 dot_generals whose result only becomes, through transposes and reshapes,
+  one of `grads` by a convert to fp32."""
+  producer = {v: e for e in eqns for v in e.outvars}
+  uses = collections.Counter(v for e in eqns for v in e.invars if not isinstance(v, Literal))
+  uses.update(v for v in outvars if not isinstance(v, Literal))
+  found = set()
+  for g in grads:
+    e = producer.get(g)
+    if e is None or e.primitive.name != "convert_element_type" or g.aval.dtype != jnp.float32:
+      continue
+    x = e.invars[0]
+    while not isinstance(x, Literal) and uses[x] == 1 and x in producer:
+      p = producer[x]
+      if p.primitive.name in ("transpose", "reshape"):
+        x = p.invars[0]
+        continue
+      if p.primitive.name == "dot_general" and x.aval.dtype == jnp.bfloat16:
+        found.add(x)
+      break
+  return frozenset(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rewrite:
+  """`eval_eqns`'s hook for B, BI and BW: column sums over at most `sum_rows` rows read
+  their operand through a barrier; the dots in `wide` write fp32."""
+
+  sum_rows: int
+  wide: frozenset
+
+  def __call__(self, eqn, vals):
+    if _column_sum(eqn, self.sum_rows):
+      return [jax.lax.optimization_barrier(vals[0])], {}
+    if eqn.primitive.name == "dot_general" and eqn.outvars[0] in self.wide:
+      if jax.default_backend() == "cpu":  # XLA's CPU runtime has no bf16 x bf16 -> f32 dot
+        vals = [v.astype(jnp.float32) for v in vals]
+      return vals, {"preferred_element_type": jnp.float32}
+    return vals, {}
 
 
 @dataclasses.dataclass
@@ -205,7 +253,7 @@ class BackwardSplit:
   carry: list           # jaxpr vars BI computes and BW reads
   n_res: int
   n_params: int
-  prepare: Any = None   # eval_eqns's hook: the column-sum barriers, or None
+  prepare: Any = None   # eval_eqns's hook (a `_Rewrite`)
 
   @property
   def carry_avals(self):
@@ -241,8 +289,9 @@ def split_backward(ad: RegionAD, ct_avals, axis_env=()) -> BackwardSplit:
   for v in [v for e in bw_eqns for v in e.invars] + list(j.outvars[:n_p]):
     if not isinstance(v, Literal) and v in bi_defined and v not in carry:
       carry.append(v)
+  wide = _weight_grad_dots(j.eqns, j.outvars, j.outvars[:n_p]) if WIDE_WEIGHT_GRADS else frozenset()
   return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p,
-                       _isolate_column_sums if COLUMN_SUM_ROWS else None)
+                       _Rewrite(COLUMN_SUM_ROWS, wide))
 
 
 def _env(split: BackwardSplit, res, cts) -> dict:

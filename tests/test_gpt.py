@@ -117,6 +117,39 @@ def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_wide_weight_gradients(monkeypatch, schedule):
+  # regions.WIDE_WEIGHT_GRADS: a bf16 matmul's weight gradient is a GEMM that writes
+  # fp32 (no bf16 rounding, no convert) in B and in ZB's BW; the same training run to
+  # bf16 precision, and closer to the fp32 reference than the bf16 gradients.
+  import re
+  import numpy as np
+  import models
+  from piper_jax.lowering import regions
+  loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
+  tx = models.optimizer()
+  directives = pj.strategies.pipeline(2, 2, schedule)
+  ref, ref_params = models.reference_run(loss_fn, params, batches, tx)
+  narrow, narrow_params, narrow_step, narrow_state = models.piper_run(loss_fn, params, batches,
+                                                                     tx, directives)
+  monkeypatch.setattr(regions, "WIDE_WEIGHT_GRADS", True)
+  wide, wide_params, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
+  for split in step._program.split.values():
+    assert len(split.prepare.wide) >= 4  # qkv, attention out, MLP in and out per block
+  # (On the CPU the GEMM's bf16 operands are widened first: XLA's CPU runtime has no
+  # bf16 x bf16 -> f32 dot. The same sums, since a bf16 GEMM accumulates in fp32.)
+  f32_dots = lambda step, state: len(re.findall(
+      r"stablehlo\.dot_general .*\(tensor<[\dx]+xf32>, tensor<[\dx]+xf32>\) -> tensor<[\dx]+xf32>",
+      step.lower(state, batches[0]).as_text()))
+  assert f32_dots(step, state) >= f32_dots(narrow_step, narrow_state) + 4
+  np.testing.assert_allclose(wide, ref, rtol=2e-2)
+  np.testing.assert_allclose(wide, narrow, rtol=2e-2)
+  err = lambda got: max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                        for a, b in zip(jax.tree_util.tree_leaves(got),
+                                        jax.tree_util.tree_leaves(ref_params)))
+  assert err(wide_params) <= err(narrow_params) * 1.5, (err(wide_params), err(narrow_params))
+
+
 def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, monkeypatch):
   """Checks a run with weights cast once (`losses`, final params `got`) against the same
   run casting in every task (1e-6) and against one device (bf16 compute: 2e-2); returns
