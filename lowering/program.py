@@ -42,13 +42,13 @@ __all__ = ["Program"]
 _GRAD_PASSES = (Pass.B, Pass.BW)
 
 
-def _backward_input(ad: RegionAD, split: BackwardSplit, stored, params, batch, acts, outs, cts):
-  return backward_input(split, full_residuals(ad, stored, params, batch, acts, outs), cts)
-
-
-def _backward_weight(ad: RegionAD, split: BackwardSplit, stored, params, batch, acts, outs, cts,
-                     carry):
-  return backward_weight(split, full_residuals(ad, stored, params, batch, acts, outs), cts, carry)
+def _from_stored(fn, ad: RegionAD, split: BackwardSplit):
+  """`fn(split, residuals, cts, *rest)` (B, BI or BW) as a pass of what a task reads:
+  (stored residuals, params, batch, acts, outs, cts, *rest)."""
+  def run(stored, params, batch, acts, outs, cts, *rest):
+    return fn(split, full_residuals(ad, stored, params, batch, acts, outs), cts, *rest)
+  run.__name__ = run.__qualname__ = fn.__name__  # the pass's name in HLO metadata and profiles
+  return run
 
 
 def _zeros(sig) -> jax.Array:
@@ -602,19 +602,17 @@ class Program:
             ct = ct + jnp.asarray(1.0 / (self.n_data * self.n_mb), ct.dtype)
           cts.append(self._dispatch(ct) if ep else ct)
         args = (stored, params, batch, acts, outs, cts)
+        split = self.split[r]
         if t.pass_ is Pass.B:
-          d_params, d_acts = self._pass("B", r, functools.partial(region_backward, ad,
-                                                                      self.split[r]))(*args)
+          d_params, d_acts = self._pass("B", r, _from_stored(region_backward, ad, split))(*args)
         elif t.pass_ is Pass.BI:
-          d_acts, carry = self._pass("BI", r, functools.partial(_backward_input, ad,
-                                                                 self.split[r]))(*args)
+          d_acts, carry = self._pass("BI", r, _from_stored(backward_input, ad, split))(*args)
           for k, x in enumerate(carry):
             env[("wres", r, m, k)] = x
           d_params = []
         else:
-          carry = [read(("wres", r, m, k)) for k in range(len(self.split[r].carry))]
-          d_params = self._pass("BW", r, functools.partial(_backward_weight, ad,
-                                                           self.split[r]))(*args, carry)
+          carry = [read(("wres", r, m, k)) for k in range(len(split.carry))]
+          d_params = self._pass("BW", r, _from_stored(backward_weight, ad, split))(*args, carry)
           d_acts = []
         for i, x in zip(ad.diff_acts, d_acts):
           env[("ct", r, m, i)] = self._combine(x) if ep else x

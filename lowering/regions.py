@@ -301,11 +301,9 @@ def _env(split: BackwardSplit, res, cts) -> dict:
   return env
 
 
-def region_backward(ad: RegionAD, split: BackwardSplit, stored, params, batch, acts, outs,
-                    out_cts):
-  """Runs B: cotangents of the float outputs -> (param grads, activation cotangents)."""
-  res = full_residuals(ad, stored, params, batch, acts, outs)
-  env = eval_eqns(split.jaxpr.eqns, _env(split, res, out_cts), split.prepare)
+def region_backward(split: BackwardSplit, res, cts):
+  """B: cotangents of the float outputs -> (param grads, activation cotangents)."""
+  env = eval_eqns(split.jaxpr.eqns, _env(split, res, cts), split.prepare)
   grads = [read(env, v) for v in split.jaxpr.outvars]
   return grads[:split.n_params], grads[split.n_params:]
 
