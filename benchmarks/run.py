@@ -31,8 +31,12 @@ state as one loop (`+roll`, the default, is still accepted). A
 slices and casts its own) and `+cast` turns it on for pipelines below ZeRO-3 (off by
 default there), for A/B runs; `+nodistopt` runs ZeRO-1/2 without the distributed
 optimizer (replicated fp32 parameters, all-gathered in fp32 after the update);
-`+nocolsum` sums bias gradients without their own optimization barrier; `+widegrad`
-has bf16 weight-gradient GEMMs write fp32 (`regions.WIDE_WEIGHT_GRADS`).
+`+nocolsum` sums bias gradients without their own optimization barrier; `+nowidegrad`
+has a pipeline's bf16 weight-gradient GEMMs write bf16 (`regions.WIDE_WEIGHT_GRADS`
+off); `+nocmdbuf` compiles with XLA's own command buffers (`compiler_options={}`), not
+piper-jax's, which run a pipeline's conditionals and loop as CUDA graphs; `+remat`
+compiles with `remat=True` (elementwise residuals recomputed from a value stored in
+their place).
 `+L9-7` sets the blocks of each pipeline stage.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
@@ -66,7 +70,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "cast", "nodistopt", "nocolsum",
-             "noroll", "widegrad")
+             "noroll", "nowidegrad", "nocmdbuf", "remat")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
@@ -246,8 +250,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     # For A/B runs: "+nocast", weights sliced and cast by every task, not once per step;
     # "+cast", cast once per step in a pipeline below ZeRO-3 too; "+nodistopt", ZeRO-1/2
     # without the distributed optimizer (replicated fp32 masters, all-gathered in fp32);
-    # "+nocolsum", bias gradients summed without their own barrier; "+widegrad", fp32
-    # weight-gradient GEMMs.
+    # "+nocolsum", bias gradients summed without their own barrier; "+nowidegrad", bf16
+    # weight-gradient GEMMs; "+nocmdbuf", XLA's default command buffers.
     with contextlib.ExitStack() as patches:
       if "nocast" in mods:
         patches.enter_context(mock.patch.object(TracedLoss, "param_casts", lambda self: {}))
@@ -257,9 +261,11 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
         patches.enter_context(mock.patch.object(ParamLayout, "shards_masters", False))
       if "nocolsum" in mods:
         patches.enter_context(mock.patch.object(regions, "COLUMN_SUM_ROWS", 0))
-      if "widegrad" in mods:
-        patches.enter_context(mock.patch.object(regions, "WIDE_WEIGHT_GRADS", True))
-      call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="noroll" not in mods)
+      if "nowidegrad" in mods:
+        patches.enter_context(mock.patch.object(regions, "WIDE_WEIGHT_GRADS", False))
+      call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="noroll" not in mods,
+                        compiler_options={} if "nocmdbuf" in mods else None,
+                        remat="remat" in mods)
     state = call.init(params)
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")

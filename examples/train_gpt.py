@@ -100,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-roll", dest="roll", action="store_false",
                  help="unroll every tick instead of compiling the schedule's steady state as "
                       "one loop (pj.compile(roll=False))")
+  p.add_argument("--remat", action="store_true",
+                 help="store less per microbatch: B recomputes elementwise residuals from "
+                      "a value stored in their place (pj.compile(remat=True))")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data", default="stdlib",
@@ -244,7 +247,7 @@ def main(argv=None) -> dict:
   print(f"strategy: {args.strategy}; data: {args.data}")
 
   step = pj.compile(gpt.loss_fn(model), optimizer, directives, params, get_batch(0),
-                    devices=devices, roll=args.roll)
+                    devices=devices, roll=args.roll, remat=args.remat)
   print(step.plan)
   if step.rolled:
     w = step.rolled

@@ -1,9 +1,10 @@
 """Forward-with-residuals and backward-from-residuals functions of one region.
 
-F keeps jax.vjp's residuals as explicit arrays so that B, running later (in
-another tick), can use them without recomputing the forward. Residuals that
-are just an input or an output of the region are not stored again: they are
-marked as aliases and read from where the input or output already lives.
+F runs the region's vjp, traced once, and keeps its residuals as explicit arrays so
+that B, running later (in another tick), can use them without recomputing the
+forward. Residuals that are just an input or an output of the region are not stored
+again (B reads them where they already live), and those that a few elementwise
+equations make from what B has anyway are recomputed inside B's kernels.
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ __all__ = ["RegionAD", "analyze_region"]
 
 
 # Equations cheap enough to redo in B instead of storing their result per microbatch:
-# casts, layout changes and masks (a bf16 copy of a weight, a causal mask).
+# casts, layout changes, masks and elementwise arithmetic (a bf16 copy of a weight, a
+# causal mask, GELU's intermediates, LayerNorm's normalized input). XLA fuses the redone
+# equations into B's kernels, which then read one array where F stored several.
 _CHEAP = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
                     "expand_dims", "iota", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-                    "select_n", "copy", "slice", "neg", "add", "sub", "mul"})
+                    "select_n", "copy", "slice", "neg", "add", "sub", "mul", "div", "max", "min",
+                    "abs", "sign", "square", "sqrt", "rsqrt", "exp", "exp2", "log", "log1p", "expm1",
+                    "tanh", "logistic", "erf", "integer_pow", "pow", "clamp"})
+# At most this many equations are redone for one residual; longer chains are stored.
+_MAX_CONE = 64
 
 
 def _cheap(eqn) -> bool:
@@ -39,31 +46,49 @@ def _cheap(eqn) -> bool:
   return False
 
 
-def _param_only_cone(jaxpr, var, param_vars: set, defined: dict):
-  """The equations that compute `var` from parameters and constants alone, if all are cheap."""
-  cone, stack, seen = set(), [var], set()
+def _cone(jaxpr, var, stop: set, defined: dict):
+  """(equations, frontier): the cheap equations that compute `var` from values in `stop`
+  and the frontier, the values they read that other equations make or that are inputs
+  outside `stop`; None past _MAX_CONE equations."""
+  cone, frontier, stack, seen = set(), [], [var], set()
   while stack:
     v = stack.pop()
-    if isinstance(v, Literal) or v in seen or v in param_vars or v in jaxpr.constvars:
+    if isinstance(v, Literal) or v in seen or v in stop:
       continue
     seen.add(v)
-    if v not in defined:
-      return None  # a batch or activation input
-    i = defined[v]
-    if not _cheap(jaxpr.eqns[i]):
-      return None
+    i = defined.get(v)
+    if i is None or not _cheap(jaxpr.eqns[i]):
+      frontier.append(v)
+      continue
     cone.add(i)
+    if len(cone) > _MAX_CONE:
+      return None
     stack += list(jaxpr.eqns[i].invars)
-  return cone
+  return cone, frontier
+
+
+def _input(k: int, n_params: int, n_batch: int) -> tuple[str, int]:
+  """("param"|"batch"|"act", index) of F's k-th input (params, then batch, then acts)."""
+  if k < n_params:
+    return "param", k
+  if k < n_params + n_batch:
+    return "batch", k - n_params
+  return "act", k - n_params - n_batch
+
+
+def _nbytes(v) -> int:
+  return math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize
 
 
 @dataclasses.dataclass
 class RegionAD:
   """What F stores for B.
 
-  `alias[k]` is ("param"|"batch"|"act"|"out", index) for a residual that is an
-  input or output of the region, ("recompute", var) for one that B recomputes
-  cheaply from the parameters, or None for one F stores.
+  `alias[k]` is ("param"|"batch"|"act"|"out", index) for a residual that is an input
+  or output of the region, ("recompute", var) for one that B recomputes from the
+  inputs and the stored values, or None for one F stores. F stores the values `stored`
+  (variables of `jaxpr`, F's traced vjp): the stored residuals and what B recomputes
+  others from (a matmul's output, where GELU's backward would read four residuals).
   """
 
   region: int
@@ -74,14 +99,16 @@ class RegionAD:
   res_avals: list[Any]
   alias: list[tuple[str, Any] | None]
   res_tree: Any
+  jaxpr: Any = None         # F: (params, batch, acts) -> (float outs, other outs, residuals)
+  consts: dict = dataclasses.field(default_factory=dict)
+  stored: list = dataclasses.field(default_factory=list)
+  res_vars: list = dataclasses.field(default_factory=list)
   recompute_eqns: list = dataclasses.field(default_factory=list)
-  recompute_consts: dict = dataclasses.field(default_factory=dict)
-  param_vars: list = dataclasses.field(default_factory=list)
+  reads: list = dataclasses.field(default_factory=list)  # ("act"|"out", index) B reads
 
   @property
-  def stored(self) -> list[int]:
-    """Residuals F must keep (not aliases)."""
-    return [k for k, a in enumerate(self.alias) if a is None]
+  def stored_avals(self) -> list[Any]:
+    return [v.aval for v in self.stored]
 
 
 def _fwd(runner: RegionRunner, r: int, diff_params, diff_acts, float_outs, params, batch, acts):
@@ -102,11 +129,15 @@ def _fwd(runner: RegionRunner, r: int, diff_params, diff_acts, float_outs, param
   return fl, other, res, tree
 
 
-def analyze_region(runner: RegionRunner, r: int) -> RegionAD:
-  """Traces region `r`'s vjp once, abstractly, to learn its residuals and their aliases.
+def analyze_region(runner: RegionRunner, r: int, remat: bool = False) -> RegionAD:
+  """Traces region `r`'s vjp once, abstractly, to learn its residuals: which are inputs
+  or outputs of the region, which B can recompute, and what F must store.
 
-  Inputs and outputs in the all-to-all layout (expert parallel) are not aliased:
-  the caller keeps them in the other layout.
+  B recomputes a residual from the region's inputs and values F stores anyway; with
+  `remat`, also from a value F stores in its place when that is no larger.
+
+  Inputs and outputs in the all-to-all layout (expert parallel) are not read by B: the
+  caller keeps them in the other layout.
   """
   spec = runner.spec.regions[r]
   p_avals, b_avals, a_avals = runner.avals(r)
@@ -125,49 +156,60 @@ def analyze_region(runner: RegionRunner, r: int) -> RegionAD:
   closed = jax.make_jaxpr(probe, axis_env=runner.axis_env)(p_avals, b_avals, a_avals)
   jaxpr = closed.jaxpr
   n_p, n_b = len(p_avals), len(b_avals)
-  invar_pos = {}
+  io_local = runner.io_local(r)
+  place = {}  # where B finds a value without F storing it
   for k, v in enumerate(jaxpr.invars):
-    kind = "param" if k < n_p else "batch" if k < n_p + n_b else "act"
-    invar_pos.setdefault(v, (kind, k if k < n_p else k - n_p if k < n_p + n_b else k - n_p - n_b))
+    kind, i = _input(k, n_p, n_b)
+    if not (io_local and kind == "act"):
+      place.setdefault(v, (kind, i))
   n_out = len(float_outs) + len(other_outs)
-  out_order = float_outs + other_outs
-  out_pos = {}
-  for k, v in enumerate(jaxpr.outvars[:n_out]):
-    out_pos.setdefault(v, ("out", out_order[k]))
-  param_vars = list(jaxpr.invars[:n_p])
+  if not io_local:
+    for k, v in zip(float_outs + other_outs, jaxpr.outvars[:n_out]):
+      place.setdefault(v, ("out", k))
   defined = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-  alias, res_avals, recompute = [], [], set()
-  for v in jaxpr.outvars[n_out:]:
-    res_avals.append(v.aval)
-    if hasattr(v, "val"):  # a literal
+  stop = set(place) | set(jaxpr.constvars)
+  alias, stored, recompute = [], [], set()
+  res_vars = jaxpr.outvars[n_out:]
+  for v in res_vars:
+    if isinstance(v, Literal) or v in place:
+      alias.append(("recompute", v) if isinstance(v, Literal) else place[v])
+      continue
+    if v in stop:  # stored already
       alias.append(None)
       continue
-    a = invar_pos.get(v) or out_pos.get(v)
-    if a is not None and runner.io_local(r) and a[0] in ("act", "out"):
-      a = None
-    if a is None:
-      cone = _param_only_cone(jaxpr, v, set(param_vars), defined)
-      if cone is not None:
-        a = ("recompute", v)
-        recompute |= cone
-    alias.append(a)
-  return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, res_avals, alias, box["tree"],
-                  [jaxpr.eqns[i] for i in sorted(recompute)],
-                  dict(zip(jaxpr.constvars, closed.consts)), param_vars)
+    found = _cone(jaxpr, v, stop, defined)
+    new = [] if found is None else [f for f in found[1] if f not in stop]
+    if (found is None or v in found[1] or (new and not remat)
+        or sum(map(_nbytes, new)) > _nbytes(v)):
+      new, alias_v = [v], None
+    else:
+      recompute |= found[0]
+      alias_v = ("recompute", v)
+    stored += new
+    stop.update(new)
+    alias.append(alias_v)
+  eqns = [jaxpr.eqns[i] for i in sorted(recompute)]
+  reads = sorted({place[v] for e in eqns for v in e.invars
+                  if not isinstance(v, Literal) and place.get(v, ("param",))[0] in ("act", "out")}
+                 | {a for a in alias if a and a[0] in ("act", "out")})
+  return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, [v.aval for v in res_vars],
+                  alias, box["tree"], jaxpr, dict(zip(jaxpr.constvars, closed.consts)), stored,
+                  list(res_vars), eqns, reads)
 
 
-def region_forward(runner: RegionRunner, ad: RegionAD, params, batch, acts):
-  """Runs F: returns (outputs in spec order, stored residuals)."""
-  fl, other, res, _ = _fwd(runner, ad.region, ad.diff_params, ad.diff_acts, ad.float_outs,
-                           params, batch, acts)
-  outs = [None] * (len(fl) + len(other))
-  for k, x in zip(ad.float_outs, fl):
-    outs[k] = x
-  for k, x in zip(ad.other_outs, other):
-    outs[k] = x
-  if len(res) != len(ad.alias):
-    raise RuntimeError(f"region {ad.region}: residuals changed between traces")
-  return outs, [res[k] for k in ad.stored]
+def region_forward(ad: RegionAD, params, batch, acts):
+  """Runs F, the region's traced vjp: returns (outputs in spec order, stored values)."""
+  j = ad.jaxpr
+  n_out = len(ad.float_outs) + len(ad.other_outs)
+  wanted = list(j.outvars[:n_out]) + ad.stored
+  keep = _needed(j.eqns, wanted)
+  env = dict(ad.consts)
+  env.update(zip(j.invars, list(params) + list(batch) + list(acts)))
+  env = eval_eqns([e for e, k in zip(j.eqns, keep) if k or e.effects], env)
+  outs = [None] * n_out
+  for k, v in zip(ad.float_outs + ad.other_outs, j.outvars[:n_out]):
+    outs[k] = read(env, v)
+  return outs, [env[v] for v in ad.stored]
 
 
 # A bias's gradient is a sum over the rows of an output's cotangent. XLA fuses that
@@ -180,11 +222,12 @@ def region_forward(runner: RegionRunner, ad: RegionAD, params, batch, acts):
 COLUMN_SUM_ROWS = 4096
 
 # A weight gradient of a bf16 matmul is a bf16 GEMM, then a convert to the fp32
-# parameter's dtype, then (per microbatch) an add to the fp32 sum. With this on, the
-# GEMM writes fp32 itself (Megatron accumulates so, into `main_grad`), which drops the
-# bf16 rounding and the convert and lets XLA fold the add into the GEMM's output.
-# Not yet measured on a GPU, so off.
-WIDE_WEIGHT_GRADS = False
+# parameter's dtype, then (per microbatch) an add to the fp32 sum. With this on, a
+# region run over several microbatches has the GEMM write fp32 itself (Megatron
+# accumulates so, into `main_grad`): no bf16 rounding, no convert, and XLA folds the
+# add into the GEMM's output. On 2 x H200 the 268M 1F1B ran 6% faster, ZB-H1 8%,
+# the 1.34B 1F1B 2%; without microbatches (data parallel) it gained nothing.
+WIDE_WEIGHT_GRADS = True
 
 
 def _column_sum(eqn, max_rows: int) -> bool:
@@ -271,8 +314,11 @@ def _needed(eqns, outvars) -> list[bool]:
   return keep
 
 
-def split_backward(ad: RegionAD, ct_avals, axis_env=()) -> BackwardSplit:
-  """Traces region B once and partitions its equations into BI and BW (B runs them all)."""
+def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> BackwardSplit:
+  """Traces region B once and partitions its equations into BI and BW (B runs them all).
+
+  `wide`: bf16 weight-gradient GEMMs write fp32 (for gradients summed over microbatches).
+  """
   def bwd(res, cts):
     d_params, d_acts = jax.tree_util.tree_unflatten(ad.res_tree, res)(list(cts))
     return list(d_params) + list(d_acts)
@@ -289,7 +335,7 @@ def split_backward(ad: RegionAD, ct_avals, axis_env=()) -> BackwardSplit:
   for v in [v for e in bw_eqns for v in e.invars] + list(j.outvars[:n_p]):
     if not isinstance(v, Literal) and v in bi_defined and v not in carry:
       carry.append(v)
-  wide = _weight_grad_dots(j.eqns, j.outvars, j.outvars[:n_p]) if WIDE_WEIGHT_GRADS else frozenset()
+  wide = _weight_grad_dots(j.eqns, j.outvars, j.outvars[:n_p]) if wide else frozenset()
   return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p,
                        _Rewrite(COLUMN_SUM_ROWS, wide))
 
@@ -324,13 +370,27 @@ def backward_weight(split: BackwardSplit, res, cts, carry):
 
 
 def full_residuals(ad: RegionAD, stored, params, batch, acts, outs) -> list:
-  """The residual list vjp expects, from the stored ones and the aliased inputs/outputs."""
-  res, it = [], iter(stored)
+  """The residual list vjp expects: aliased inputs and outputs, the stored values, and
+  the residuals B recomputes from them."""
   src = {"param": params, "batch": batch, "act": acts, "out": outs}
+  env = dict(ad.consts)
+  env.update(zip(ad.stored, stored))
   if ad.recompute_eqns:
-    env = dict(ad.recompute_consts)
-    env.update(zip(ad.param_vars, params))
-    src["recompute"] = eval_eqns(ad.recompute_eqns, env)
-  for a in ad.alias:
-    res.append(next(it) if a is None else src[a[0]][a[1]])
+    j = ad.jaxpr
+    n_p, n_b = len(params), len(batch)
+    for k, v in enumerate(j.invars):
+      kind, i = _input(k, n_p, n_b)
+      if src[kind][i] is not None:
+        env.setdefault(v, src[kind][i])
+    n_out = len(ad.float_outs) + len(ad.other_outs)
+    for k, v in zip(ad.float_outs + ad.other_outs, j.outvars[:n_out]):
+      if outs[k] is not None:
+        env.setdefault(v, outs[k])
+    env = eval_eqns(ad.recompute_eqns, env)
+  res = []
+  for v, a, aval in zip(ad.res_vars, ad.alias, ad.res_avals):
+    if a is None or a[0] == "recompute":
+      res.append(jnp.asarray(v.val, aval.dtype) if isinstance(v, Literal) else env[v])
+    else:
+      res.append(src[a[0]][a[1]])
   return res

@@ -90,7 +90,8 @@ class TrainStep:
 
   def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                directives: Sequence[Directive] | str, params: Any, example_batch: Any,
-               devices: Sequence[jax.Device] | None = None, roll: bool = True):
+               devices: Sequence[jax.Device] | None = None, roll: bool = True,
+               compiler_options: dict | None = None, remat: bool = False):
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
     self.optimizer = optimizer
@@ -104,7 +105,7 @@ class TrainStep:
     self._layout = layout = ParamLayout(traced.spec, plan, split, traced.param_casts())
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
     runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
-    self._program = Program(runner, plan, layout, roll=roll)
+    self._program = Program(runner, plan, layout, roll=roll, remat=remat)
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
     zero = pm.zero
@@ -140,8 +141,11 @@ class TrainStep:
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
 
+    if compiler_options is None:
+      compiler_options = self._program.compiler_options(self.devices[0].platform)
     self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
-                         out_shardings=(self._state_shardings, replicated), donate_argnums=0)
+                         out_shardings=(self._state_shardings, replicated), donate_argnums=0,
+                         compiler_options=dict(compiler_options) or None)
     self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
     self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
     self._pack_opt = jax.jit(layout.pack, out_shardings=to_sharding(grad_specs))
@@ -270,7 +274,8 @@ def _is_buffers(x) -> bool:
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
             params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None,
-            roll: bool = True) -> TrainStep:
+            roll: bool = True, compiler_options: dict | None = None,
+            remat: bool = False) -> TrainStep:
   """Compiles a training step of `loss_fn(params, batch)` under a directive list.
 
   Args:
@@ -284,8 +289,16 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
       as one `lax.fori_loop`, which XLA compiles once (the default; a schedule without
       a steady state unrolls anyway). False unrolls every tick: a longer compile, for
       a slightly lower peak (24.3 vs 26.8 GiB on the 1.34B GPT's 1F1B).
+    compiler_options: XLA options for the step's `jax.jit`. None takes piper-jax's: on
+      GPUs, a pipeline's per-tick conditional and rolled loop run as CUDA graphs
+      (`xla_gpu_enable_command_buffer`, unless XLA_FLAGS sets it); `{}` takes XLA's.
+    remat: B recomputes a residual made by elementwise equations from one value F
+      stores in its place when that is no larger (GELU's intermediates from the matmul
+      before them, LayerNorm's from its input and statistics). Less memory: the 268M
+      GPT's 1F1B peaks at 4.9 GiB instead of 6.2 on an H200, 3% slower.
 
   Returns:
     A `TrainStep`.
   """
-  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, roll)
+  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, roll,
+                   compiler_options, remat)

@@ -80,6 +80,15 @@ def test_gpt_zero_bubble_4_stages(monkeypatch):
   assert_same_run(loss, params, pj.strategies.pipeline(4, 2, "zb"), batch_size=4)
 
 
+def test_gpt_remat_zero_bubble(monkeypatch):
+  # remat=True: B, BI and BW recompute elementwise residuals from the values F stores
+  # in their place; the same run as one device in fp32.
+  config, loss, params = _gpt(2)
+  import models
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "zb"), batch_size=4, remat=True)
+
+
 def test_train_gpt_example_runs():
   from examples import train_gpt
   # A MoE GPT (make demo runs the dense one) with its experts split over each stage's
@@ -102,24 +111,35 @@ def _bf16_gpt_run(monkeypatch):
 
 def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
   # With bf16 compute, the bf16 copies of the weights (and the causal mask) are
-  # recomputed in B from the parameters instead of being kept per microbatch.
+  # recomputed in B from the parameters, and elementwise chains (GELU's intermediates,
+  # LayerNorm's) from what F stores instead: one MLP hidden array per
+  # block where the vjp keeps several (`remat=True`).
   import models
+  from piper_jax.lowering import regions
   loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
   tx = models.optimizer()
   ref, _ = models.reference_run(loss_fn, params, batches, tx)
   losses, _, step, _ = models.piper_run(loss_fn, params, batches, tx,
-                                        pj.strategies.pipeline(2, 2, "1f1b"))
+                                        pj.strategies.pipeline(2, 2, "1f1b"), remat=True)
   ad = step._program.ad[0]
-  recomputed = [a for a in ad.alias if a and a[0] == "recompute"]
-  assert any(str(v.aval.dtype) == "bfloat16" and v.aval.ndim == 2 for _, v in recomputed)
-  assert len(ad.stored) + len(recomputed) <= len(ad.alias)
+  recomputed = [v for a, v in zip(ad.alias, ad.res_vars) if a and a[0] == "recompute"]
+  assert any(str(v.aval.dtype) == "bfloat16" and v.aval.ndim == 2 for v in recomputed)
+  hidden = lambda avals: sum(tuple(a.shape[-1:]) == (128,) and a.ndim == 3 for a in avals)
+  n_blocks = 1  # per stage
+  assert hidden(ad.stored_avals) <= n_blocks < hidden(ad.res_avals)
+  default = regions.analyze_region(step._program.runner, 0)  # remat=False
+  assert hidden(default.stored_avals) > n_blocks
+  nbytes = lambda avals: sum(a.size * a.dtype.itemsize for a in avals)
+  assert nbytes(ad.stored_avals) < nbytes([v.aval for a, v in zip(ad.alias, ad.res_vars) if a is None
+                                           or a[0] == "recompute"]) / 2
   import numpy as np
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
 
 
 def test_wide_weight_gradients(monkeypatch):
-  # regions.WIDE_WEIGHT_GRADS: a bf16 matmul's weight gradient is a GEMM that writes
-  # fp32 (no bf16 rounding, no convert); the same training run to bf16 precision, and
+  # regions.WIDE_WEIGHT_GRADS (on by default where gradients sum over microbatches): a
+  # bf16 matmul's weight gradient is a GEMM that writes fp32 (no bf16 rounding, no
+  # convert); the same training run to bf16 precision as with it off, and
   # no farther from the fp32 reference than the bf16 gradients. Under ZB the GEMMs are
   # in BW; B and BI bind through the same hook (`split.prepare`).
   import re
@@ -130,10 +150,10 @@ def test_wide_weight_gradients(monkeypatch):
   tx = models.optimizer()
   directives = pj.strategies.pipeline(2, 2, "zb")
   ref, ref_params = models.reference_run(loss_fn, params, batches, tx)
+  wide, wide_params, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
+  monkeypatch.setattr(regions, "WIDE_WEIGHT_GRADS", False)
   narrow, narrow_params, narrow_step, narrow_state = models.piper_run(loss_fn, params, batches,
                                                                      tx, directives)
-  monkeypatch.setattr(regions, "WIDE_WEIGHT_GRADS", True)
-  wide, wide_params, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
   for split in step._program.split.values():
     assert len(split.prepare.wide) >= 4  # qkv, attention out, MLP in and out per block
   # (On the CPU the GEMM's bf16 operands are widened first: XLA's CPU runtime has no

@@ -427,3 +427,25 @@ def test_rolled_loop_carries_values_without_copies(schedule, dp, zero, n_mb):
   for body in bodies:
     copies = [l for l in comps[body] if re.search(r"= \w+\[\d[\d,]*\]\S* copy\(", l)]
     assert not copies, copies[:3]
+
+
+def test_compiler_options(monkeypatch):
+  # On GPUs a pipeline's step runs its per-tick conditionals and rolled loop as CUDA
+  # graphs; data parallelism (neither), CPUs and XLA_FLAGS that set them keep XLA's.
+  from models import optimizer, random_batch
+  from piper_jax.lowering.program import PIPELINE_COMMAND_BUFFERS
+  loss, params = _mlp(2)
+  batch = random_batch(jax.random.PRNGKey(1), 16)
+  pp = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch)
+  dp = pj.compile(loss, optimizer(), pj.strategies.data_parallel(8), params, batch)
+  gpu = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS}
+  assert "CONDITIONAL" in PIPELINE_COMMAND_BUFFERS and "WHILE" in PIPELINE_COMMAND_BUFFERS
+  assert pp._program.compiler_options("gpu") == gpu
+  assert pp._program.compiler_options("cpu") == dp._program.compiler_options("gpu") == {}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+  assert pp._program.compiler_options("gpu") == {}
+  # The user's options reach XLA in place of piper-jax's.
+  bad = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch,
+                   compiler_options={"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
+  with pytest.raises(Exception, match="NOT_A_COMMAND"):
+    bad(bad.init(params), batch)
