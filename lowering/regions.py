@@ -40,7 +40,7 @@ def _cheap(eqn) -> bool:
   if eqn.primitive.name in _CHEAP:
     return True
   if eqn.primitive.name in ("pjit", "jit", "closed_call"):
-    inner = eqn.params.get("jaxpr")
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     inner = getattr(inner, "jaxpr", inner)
     return inner is not None and all(_cheap(e) for e in inner.eqns)
   return False
@@ -165,11 +165,22 @@ def analyze_region(runner: RegionRunner, r: int, remat: bool = False) -> RegionA
   n_out = len(float_outs) + len(other_outs)
   if not io_local:
     for k, v in zip(float_outs + other_outs, jaxpr.outvars[:n_out]):
-      place.setdefault(v, ("out", k))
+      if not isinstance(v, Literal):
+        place.setdefault(v, ("out", k))
   defined = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-  stop = set(place) | set(jaxpr.constvars)
-  alias, stored, recompute = [], [], set()
   res_vars = jaxpr.outvars[n_out:]
+  # Residuals no cheap equation makes are stored whatever the order; others may be
+  # recomputed from them.
+  stored = list(dict.fromkeys(
+      v for v in res_vars if not isinstance(v, Literal) and v not in place
+      and v not in jaxpr.constvars and (v not in defined or not _cheap(jaxpr.eqns[defined[v]]))))
+  stop = set(place) | set(jaxpr.constvars) | set(stored)
+  cones = {v: _cone(jaxpr, v, stop, defined) for v in res_vars
+           if not isinstance(v, Literal) and v not in stop}
+  # How many residuals' cones end at each value: a stored value that replaces one
+  # residual of the same size saves nothing, one that replaces several does.
+  shared = collections.Counter(f for c in cones.values() if c for f in set(c[1]))
+  alias, recompute = [], set()
   for v in res_vars:
     if isinstance(v, Literal) or v in place:
       alias.append(("recompute", v) if isinstance(v, Literal) else place[v])
@@ -179,8 +190,9 @@ def analyze_region(runner: RegionRunner, r: int, remat: bool = False) -> RegionA
       continue
     found = _cone(jaxpr, v, stop, defined)
     new = [] if found is None else [f for f in found[1] if f not in stop]
-    if (found is None or v in found[1] or (new and not remat)
-        or sum(map(_nbytes, new)) > _nbytes(v)):
+    size = sum(map(_nbytes, new))
+    if (found is None or v in found[1] or (new and not remat) or size > _nbytes(v)
+        or (size == _nbytes(v) and any(shared[f] < 2 for f in new))):
       new, alias_v = [v], None
     else:
       recompute |= found[0]
@@ -205,7 +217,7 @@ def region_forward(ad: RegionAD, params, batch, acts):
   keep = _needed(j.eqns, wanted)
   env = dict(ad.consts)
   env.update(zip(j.invars, list(params) + list(batch) + list(acts)))
-  env = eval_eqns([e for e, k in zip(j.eqns, keep) if k or e.effects], env)
+  env = eval_eqns([e for e, k in zip(j.eqns, keep) if k], env)
   outs = [None] * n_out
   for k, v in zip(ad.float_outs + ad.other_outs, j.outvars[:n_out]):
     outs[k] = read(env, v)
@@ -304,11 +316,13 @@ class BackwardSplit:
 
 
 def _needed(eqns, outvars) -> list[bool]:
+  """Which equations `outvars` depend on; equations with effects (a debug print) and
+  what they read are always kept."""
   live = {v for v in outvars if not isinstance(v, Literal)}
   keep = [False] * len(eqns)
   for i in range(len(eqns) - 1, -1, -1):
     e = eqns[i]
-    if any(v in live for v in e.outvars):
+    if e.effects or any(v in live for v in e.outvars):
       keep[i] = True
       live.update(v for v in e.invars if not isinstance(v, Literal))
   return keep

@@ -142,7 +142,9 @@ class TrainStep:
       return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
 
     if compiler_options is None:
-      compiler_options = self._program.compiler_options(self.devices[0].platform)
+      device = self.devices[0]
+      rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+      compiler_options = self._program.compiler_options("rocm" if rocm else device.platform)
     self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
                          out_shardings=(self._state_shardings, replicated), donate_argnums=0,
                          compiler_options=dict(compiler_options) or None)

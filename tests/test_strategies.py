@@ -449,3 +449,21 @@ def test_compiler_options(monkeypatch):
                    compiler_options={"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
   with pytest.raises(Exception, match="NOT_A_COMMAND"):
     bad(bad.init(params), batch)
+
+
+def test_debug_print_inside_a_stage(capfd):
+  # F runs the region's traced vjp without the equations nothing reads; a
+  # jax.debug.print in a stage, and the sum only it reads, still run.
+
+  def loss(params, batch):
+    x = jnp.tanh(batch["x"] @ params["embed"])
+    for s in range(2):
+      with pj.annotate("PP"):
+        p = params[f"stage{s}"]
+        x = x + jnp.tanh(x @ p["w"] + p["b"])
+        jax.debug.print("stage {s} rows {n}", s=s, n=jnp.sum(jnp.ones_like(x[:, 0])))
+    return optax.softmax_cross_entropy_with_integer_labels(x @ params["head"], batch["y"]).mean()
+
+  assert_same_run(loss, init_mlp(jax.random.PRNGKey(0), 2), pj.strategies.pipeline(2, 4))
+  out = capfd.readouterr().out
+  assert "stage 1 rows 4" in out and "stage 0 rows 4" in out  # microbatches of 16 / 4
