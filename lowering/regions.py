@@ -80,6 +80,38 @@ def _nbytes(v) -> int:
   return math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize
 
 
+def _plan_recompute(jaxpr, values, stop: set, defined: dict, swap: bool):
+  """Which of `values` a later pass recomputes from what it has (`stop`) and what is
+  kept for it; with `swap`, also from a value kept in their place when that is no
+  larger. Returns (kept values, equations to redo, recomputed values)."""
+  # Values no cheap equation makes are kept whatever the order; others may be
+  # recomputed from them.
+  kept = list(dict.fromkeys(
+      v for v in values if v not in stop
+      and (v not in defined or not _cheap(jaxpr.eqns[defined[v]]))))
+  stop = stop | set(kept)
+  cones = {v: _cone(jaxpr, v, stop, defined) for v in values if v not in stop}
+  # How many values' cones end at each value: one kept in place of one value of the
+  # same size saves nothing, one that replaces several does.
+  shared = collections.Counter(f for c in cones.values() if c for f in set(c[1]))
+  redo, recomputed = set(), set()
+  for v in values:
+    if v in stop:
+      continue
+    found = _cone(jaxpr, v, stop, defined)
+    new = [] if found is None else [f for f in found[1] if f not in stop]
+    size = sum(map(_nbytes, new))
+    if (found is None or v in found[1] or (new and not swap) or size > _nbytes(v)
+        or (size == _nbytes(v) and any(shared[f] < 2 for f in new))):
+      new = [v]
+    else:
+      redo |= found[0]
+      recomputed.add(v)
+    kept += new
+    stop.update(new)
+  return kept, redo, recomputed
+
+
 @dataclasses.dataclass
 class RegionAD:
   """What F stores for B.
@@ -169,37 +201,11 @@ def analyze_region(runner: RegionRunner, r: int, remat: bool = False) -> RegionA
         place.setdefault(v, ("out", k))
   defined = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
   res_vars = jaxpr.outvars[n_out:]
-  # Residuals no cheap equation makes are stored whatever the order; others may be
-  # recomputed from them.
-  stored = list(dict.fromkeys(
-      v for v in res_vars if not isinstance(v, Literal) and v not in place
-      and v not in jaxpr.constvars and (v not in defined or not _cheap(jaxpr.eqns[defined[v]]))))
-  stop = set(place) | set(jaxpr.constvars) | set(stored)
-  cones = {v: _cone(jaxpr, v, stop, defined) for v in res_vars
-           if not isinstance(v, Literal) and v not in stop}
-  # How many residuals' cones end at each value: a stored value that replaces one
-  # residual of the same size saves nothing, one that replaces several does.
-  shared = collections.Counter(f for c in cones.values() if c for f in set(c[1]))
-  alias, recompute = [], set()
-  for v in res_vars:
-    if isinstance(v, Literal) or v in place:
-      alias.append(("recompute", v) if isinstance(v, Literal) else place[v])
-      continue
-    if v in stop:  # stored already
-      alias.append(None)
-      continue
-    found = _cone(jaxpr, v, stop, defined)
-    new = [] if found is None else [f for f in found[1] if f not in stop]
-    size = sum(map(_nbytes, new))
-    if (found is None or v in found[1] or (new and not remat) or size > _nbytes(v)
-        or (size == _nbytes(v) and any(shared[f] < 2 for f in new))):
-      new, alias_v = [v], None
-    else:
-      recompute |= found[0]
-      alias_v = ("recompute", v)
-    stored += new
-    stop.update(new)
-    alias.append(alias_v)
+  values = [v for v in res_vars if not isinstance(v, Literal) and v not in place]
+  stored, recompute, recomputed = _plan_recompute(jaxpr, values, set(place) | set(jaxpr.constvars),
+                                                  defined, remat)
+  alias = [("recompute", v) if isinstance(v, Literal) or v in recomputed
+           else place.get(v) for v in res_vars]
   eqns = [jaxpr.eqns[i] for i in sorted(recompute)]
   reads = sorted({place[v] for e in eqns for v in e.invars
                   if not isinstance(v, Literal) and place.get(v, ("param",))[0] in ("act", "out")}
@@ -240,6 +246,13 @@ COLUMN_SUM_ROWS = 4096
 # add into the GEMM's output. On 2 x H200 the 268M 1F1B ran 6% faster, ZB-H1 8%,
 # the 1.34B 1F1B 2%; without microbatches (data parallel) it gained nothing.
 WIDE_WEIGHT_GRADS = True
+
+
+# ZB's BI hands BW the values BW's equations read. With this on, BW redoes the cheap
+# equations that make a handed value from a smaller one (LayerNorm's f32 cotangents
+# from the bf16 matmul output they are cast from): on the 268M GPT's last stage, 484
+# MiB a microbatch instead of 688 (CPU trace). Not yet measured on a GPU, so off.
+SLIM_CARRY = False
 
 
 def _column_sum(eqn, max_rows: int) -> bool:
@@ -349,6 +362,11 @@ def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> B
   for v in [v for e in bw_eqns for v in e.invars] + list(j.outvars[:n_p]):
     if not isinstance(v, Literal) and v in bi_defined and v not in carry:
       carry.append(v)
+  if SLIM_CARRY and carry:
+    defined = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
+    carry, redo, _ = _plan_recompute(j, carry, set(j.invars) | set(j.constvars), defined, True)
+    bw_idx = {i for i, (k, b) in enumerate(zip(bw_keep, bi_keep)) if k and not b} | redo
+    bw_eqns = [j.eqns[i] for i in sorted(bw_idx)]
   wide = _weight_grad_dots(j.eqns, j.outvars, j.outvars[:n_p]) if wide else frozenset()
   return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p,
                        _Rewrite(COLUMN_SUM_ROWS, wide))

@@ -89,6 +89,29 @@ def test_gpt_remat_zero_bubble(monkeypatch):
   assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "zb"), batch_size=4, remat=True)
 
 
+def test_zero_bubble_slim_carry(monkeypatch):
+  # regions.SLIM_CARRY: BW redoes the casts that made LayerNorm's f32 cotangents and
+  # takes the bf16 values from BI instead; fewer bytes handed over, the same run (fp32).
+  import jax.numpy as jnp
+  import models
+  from piper_jax.lowering import regions
+  config, loss, params = _gpt(2)
+  monkeypatch.setattr(models, "random_batch", _batches(config))
+  monkeypatch.setattr(regions, "SLIM_CARRY", True)
+  step, _ = assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "zb"), batch_size=4)
+  _, bf16_loss, bf16_params = _gpt(2, dtype=jnp.bfloat16)
+  bf16 = pj.compile(bf16_loss, models.optimizer(), pj.strategies.pipeline(2, 2, "zb"), bf16_params,
+                    models.random_batch(jax.random.PRNGKey(0), 4))
+  prog = bf16._program
+  cts = [prog.runner.out_avals(1)[k] for k in prog.ad[1].float_outs]
+  nbytes = lambda split: sum(a.size * a.dtype.itemsize for a in split.carry_avals)
+  slim = prog.split[1]
+  monkeypatch.setattr(regions, "SLIM_CARRY", False)
+  wide = regions.split_backward(prog.ad[1], cts, prog.runner.axis_env)
+  assert nbytes(slim) < nbytes(wide)
+  assert not any(a.dtype == jnp.float32 and a.ndim == 3 for a in slim.carry_avals)
+
+
 def test_train_gpt_example_runs():
   from examples import train_gpt
   # A MoE GPT (make demo runs the dense one) with its experts split over each stage's
