@@ -128,19 +128,29 @@ class RegionAD:
   diff_acts: list[int]      # positions (in the region's inputs) that get cotangents
   float_outs: list[int]     # outputs that receive cotangents
   other_outs: list[int]
-  res_avals: list[Any]
+  res_vars: list            # the vjp's residuals, as variables (or literals) of `jaxpr`
   alias: list[tuple[str, Any] | None]
   res_tree: Any
   jaxpr: Any = None         # F: (params, batch, acts) -> (float outs, other outs, residuals)
   consts: dict = dataclasses.field(default_factory=dict)
   stored: list = dataclasses.field(default_factory=list)
-  res_vars: list = dataclasses.field(default_factory=list)
   recompute_eqns: list = dataclasses.field(default_factory=list)
-  reads: list = dataclasses.field(default_factory=list)  # ("act"|"out", index) B reads
+  # Inputs and outputs of the region that recompute_eqns read: var -> (kind, index).
+  recompute_inputs: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def res_avals(self) -> list[Any]:
+    return [v.aval for v in self.res_vars]
 
   @property
   def stored_avals(self) -> list[Any]:
     return [v.aval for v in self.stored]
+
+  @property
+  def reads(self) -> list[tuple[str, int]]:
+    """("act"|"out", index): the region's inputs and outputs B reads."""
+    used = list(self.recompute_inputs.values()) + [a for a in self.alias if a]
+    return sorted({a for a in used if a[0] in ("act", "out")})
 
 
 def _fwd(runner: RegionRunner, r: int, diff_params, diff_acts, float_outs, params, batch, acts):
@@ -207,12 +217,11 @@ def analyze_region(runner: RegionRunner, r: int, remat: bool = False) -> RegionA
   alias = [("recompute", v) if isinstance(v, Literal) or v in recomputed
            else place.get(v) for v in res_vars]
   eqns = [jaxpr.eqns[i] for i in sorted(recompute)]
-  reads = sorted({place[v] for e in eqns for v in e.invars
-                  if not isinstance(v, Literal) and place.get(v, ("param",))[0] in ("act", "out")}
-                 | {a for a in alias if a and a[0] in ("act", "out")})
-  return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, [v.aval for v in res_vars],
-                  alias, box["tree"], jaxpr, dict(zip(jaxpr.constvars, closed.consts)), stored,
-                  list(res_vars), eqns, reads)
+  inputs = {v: place[v] for e in eqns for v in e.invars
+            if not isinstance(v, Literal) and v in place}
+  return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, list(res_vars), alias,
+                  box["tree"], jaxpr, dict(zip(jaxpr.constvars, closed.consts)), stored, eqns,
+                  inputs)
 
 
 def region_forward(ad: RegionAD, params, batch, acts):
@@ -406,19 +415,9 @@ def full_residuals(ad: RegionAD, stored, params, batch, acts, outs) -> list:
   the residuals B recomputes from them."""
   src = {"param": params, "batch": batch, "act": acts, "out": outs}
   env = dict(ad.consts)
+  env.update((v, src[kind][i]) for v, (kind, i) in ad.recompute_inputs.items())
   env.update(zip(ad.stored, stored))
-  if ad.recompute_eqns:
-    j = ad.jaxpr
-    n_p, n_b = len(params), len(batch)
-    for k, v in enumerate(j.invars):
-      kind, i = _input(k, n_p, n_b)
-      if src[kind][i] is not None:
-        env.setdefault(v, src[kind][i])
-    n_out = len(ad.float_outs) + len(ad.other_outs)
-    for k, v in zip(ad.float_outs + ad.other_outs, j.outvars[:n_out]):
-      if outs[k] is not None:
-        env.setdefault(v, outs[k])
-    env = eval_eqns(ad.recompute_eqns, env)
+  env = eval_eqns(ad.recompute_eqns, env)
   res = []
   for v, a, aval in zip(ad.res_vars, ad.alias, ad.res_avals):
     if a is None or a[0] == "recompute":
