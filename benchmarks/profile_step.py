@@ -92,6 +92,36 @@ def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> s
   return "\n".join(lines)
 
 
+def tick_table(trace_path: str, gpus: list[int]) -> str:
+  """Per GPU, the stretches between consecutive NCCL kernels (a pipeline's ticks end in
+  one): compute-busy, idle and NCCL time of each, to see which rank waits in which tick."""
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  lines = []
+  for gpu in gpus:
+    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and re.search(rf"/device:GPU:{gpu}\b", str(e.get("args", {}).get("name", "")))}
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids
+                      and e.get("dur")), key=lambda e: e["ts"])
+    if not kernels:
+      continue
+    lines.append(f"GPU:{gpu} ticks (ms): start, compute busy, idle, nccl, kernels")
+    t0, start, busy, end, count = kernels[0]["ts"], kernels[0]["ts"], 0.0, kernels[0]["ts"], 0
+    for e in kernels:
+      a, b = e["ts"], e["ts"] + e["dur"]
+      if "nccl" in e["name"].lower():
+        idle = (a - start) - busy if a > start else 0.0
+        lines.append(f"  {(start - t0) / 1e3:7.2f} {busy / 1e3:6.2f} {max(idle, 0) / 1e3:6.2f} "
+                     f"{e['dur'] / 1e3:6.2f} {count:5d}  {e['name'][:40]}")
+        start, busy, count, end = b, 0.0, 0, b
+        continue
+      busy += max(0.0, b - max(a, end))
+      end, count = max(end, b), count + 1
+    lines.append(f"  {(start - t0) / 1e3:7.2f} {busy / 1e3:6.2f} {max(end - start - busy, 0) / 1e3:6.2f} "
+                 f"   -   {count:5d}  (to the last kernel)")
+  return "\n".join(lines)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--variant", default="pp-1f1b",
@@ -105,6 +135,9 @@ def main():
   ap.add_argument("--hlo", action="store_true", help="also write the optimized HLO")
   ap.add_argument("--named", type=int, default=0, help="also list this many kernels by exact name")
   ap.add_argument("--gpus", default="0", help="comma list of GPUs to summarize (a pipeline's ranks)")
+  ap.add_argument("--ticks", action="store_true",
+                  help="also list each GPU's stretches between NCCL kernels (a pipeline's ticks)")
+  ap.add_argument("--keep", action="store_true", help="copy the Perfetto trace to OUT/trace.json.gz")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   import jax
@@ -132,6 +165,11 @@ def main():
                key=os.path.getmtime)
   for gpu in args.gpus.split(","):
     print(summarize(newest, named=args.named, gpu=int(gpu)), flush=True)
+  if args.ticks:
+    print(tick_table(newest, [int(g) for g in args.gpus.split(",")]), flush=True)
+  if args.keep:
+    import shutil
+    shutil.copy(newest, os.path.join(args.out, "trace.json.gz"))
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def load_directives(source: str | os.PathLike | Sequence[Mapping] | Sequence[Dir
     try:
       out.append(Directive.from_json(entry))
     except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"schedule entry {i} {json.dumps(entry)}: {e}") from None
+      raise ValueError(f"schedule entry {i} {json.dumps(entry, default=repr)}: {e}") from None
   return out
 
 

@@ -70,11 +70,17 @@ class _State:
 
 # XLA's GPU command buffers (CUDA graphs) for a pipeline's step: XLA's default kinds
 # plus the per-tick conditional and the rolled loop, so that a tick's kernels go to the
-# GPU as one graph. Without them XLA copies the branch index to the host and launches
-# the branch's kernels one by one; at a microbatch of 2 sequences many take a few
-# microseconds. On 2 x H200: 268M 1F1B 65.5 -> 61.2 ms, 1.34B 199.8 -> 194.8 ms; jit
-# DP, which has neither, the same.
-PIPELINE_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+# GPU as one graph. Without them XLA copies the branch index to the host, waits for the
+# stream, and launches the branch's kernels one by one; at a microbatch of 2 sequences
+# many take a few microseconds. Each tick's conditional sits alone between two
+# collective-permutes (which do not go into graphs), so the smallest graph must be one
+# command, or XLA leaves the conditional on the host. On 2 x H200, 268M 1F1B: 65.5 ms
+# without graphs, 63.6 with them but the minimum size left at XLA's, 60.2 with both;
+# the host's call returned after 30 instead of 63 ms. jit DP has no conditionals.
+PIPELINE_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
+                            "CONDITIONAL,WHILE")
+PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS,
+                        "xla_gpu_graph_min_graph_size": 1}
 
 
 class Program:
@@ -108,11 +114,11 @@ class Program:
 
   def compiler_options(self, platform: str) -> dict:
     """XLA options for this program's step on `platform` (`jax.jit`'s `compiler_options`);
-    command buffers that XLA_FLAGS already name are left to it."""
-    if (platform != "gpu" or self.plan.n_ranks == 1
-        or "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", "")):
+    options that XLA_FLAGS already name are left to it."""
+    if platform != "gpu" or self.plan.n_ranks == 1:
       return {}
-    return {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS}
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in PIPELINE_XLA_OPTIONS.items() if k not in flags}
 
   def _pass(self, name: str, region: int, fn):
     """`fn` (one pass of a region), jitted once per (pass, region): traced for the

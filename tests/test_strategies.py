@@ -433,16 +433,19 @@ def test_compiler_options(monkeypatch):
   # On GPUs a pipeline's step runs its per-tick conditionals and rolled loop as CUDA
   # graphs; data parallelism (neither), CPUs and XLA_FLAGS that set them keep XLA's.
   from models import optimizer, random_batch
-  from piper_jax.lowering.program import PIPELINE_COMMAND_BUFFERS
+  from piper_jax.lowering.program import PIPELINE_COMMAND_BUFFERS, PIPELINE_XLA_OPTIONS
   loss, params = _mlp(2)
   batch = random_batch(jax.random.PRNGKey(1), 16)
   pp = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch)
   dp = pj.compile(loss, optimizer(), pj.strategies.data_parallel(8), params, batch)
-  gpu = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS}
   assert "CONDITIONAL" in PIPELINE_COMMAND_BUFFERS and "WHILE" in PIPELINE_COMMAND_BUFFERS
-  assert pp._program.compiler_options("gpu") == gpu
+  # A tick's conditional is one command between two collective-permutes.
+  assert PIPELINE_XLA_OPTIONS["xla_gpu_graph_min_graph_size"] == 1
+  assert pp._program.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
   assert pp._program.compiler_options("cpu") == dp._program.compiler_options("gpu") == {}
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+  assert pp._program.compiler_options("gpu") == {"xla_gpu_graph_min_graph_size": 1}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5")
   assert pp._program.compiler_options("gpu") == {}
   # The user's options reach XLA in place of piper-jax's.
   bad = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch,
