@@ -36,8 +36,8 @@ has a pipeline's bf16 weight-gradient GEMMs write bf16 (`regions.WIDE_WEIGHT_GRA
 off); `+nocmdbuf` compiles with XLA's own command buffers (`compiler_options={}`), not
 piper-jax's, which run a pipeline's conditionals and loop as CUDA graphs; `+remat`
 compiles with `remat=True` (elementwise residuals recomputed from a value stored in
-their place); `+slimcarry` has ZB's BW redo cheap equations to take smaller values from
-BI (`regions.SLIM_CARRY`, not yet measured on a GPU).
+their place); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
+not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off).
 `+L9-7` sets the blocks of each pipeline stage.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
@@ -71,7 +71,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "cast", "nodistopt", "nocolsum",
-             "noroll", "nowidegrad", "nocmdbuf", "remat", "slimcarry")
+             "noroll", "nowidegrad", "nocmdbuf", "remat", "noslimcarry")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
@@ -252,8 +252,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     # "+cast", cast once per step in a pipeline below ZeRO-3 too; "+nodistopt", ZeRO-1/2
     # without the distributed optimizer (replicated fp32 masters, all-gathered in fp32);
     # "+nocolsum", bias gradients summed without their own barrier; "+nowidegrad", bf16
-    # weight-gradient GEMMs; "+nocmdbuf", XLA's default command buffers; "+slimcarry",
-    # ZB's BW redoing cheap equations to take smaller values from BI.
+    # weight-gradient GEMMs; "+nocmdbuf", XLA's default command buffers; "+noslimcarry",
+    # ZB's BI handing BW the values BW reads, not the smaller ones they are made from.
     with contextlib.ExitStack() as patches:
       if "nocast" in mods:
         patches.enter_context(mock.patch.object(TracedLoss, "param_casts", lambda self: {}))
@@ -263,8 +263,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
         patches.enter_context(mock.patch.object(ParamLayout, "shards_masters", False))
       if "nocolsum" in mods:
         patches.enter_context(mock.patch.object(regions, "COLUMN_SUM_ROWS", 0))
-      if "slimcarry" in mods:
-        patches.enter_context(mock.patch.object(regions, "SLIM_CARRY", True))
+      if "noslimcarry" in mods:
+        patches.enter_context(mock.patch.object(regions, "SLIM_CARRY", False))
       if "nowidegrad" in mods:
         patches.enter_context(mock.patch.object(regions, "WIDE_WEIGHT_GRADS", False))
       call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="noroll" not in mods,

@@ -260,8 +260,9 @@ WIDE_WEIGHT_GRADS = True
 # ZB's BI hands BW the values BW's equations read. With this on, BW redoes the cheap
 # equations that make a handed value from a smaller one (LayerNorm's f32 cotangents
 # from the bf16 matmul output they are cast from): on the 268M GPT's last stage, 484
-# MiB a microbatch instead of 688 (CPU trace). Not yet measured on a GPU, so off.
-SLIM_CARRY = False
+# MiB a microbatch instead of 688 (CPU trace). On 2 x H200 the 268M ZB-H1 ran 77.0
+# ms against 78.7 and compiled in 31 s against 35.
+SLIM_CARRY = True
 
 
 def _column_sum(eqn, max_rows: int) -> bool:

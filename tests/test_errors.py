@@ -95,6 +95,9 @@ def test_bad_directive_arguments():
     pj.place({"PASS": "X"}, [0])
   with pytest.raises(ValueError, match="unknown directive op"):
     pj.load_directives([{"op": "teleport"}])
+  # An entry that is no JSON (here an optimizer passed where directives go) is named too.
+  with pytest.raises(ValueError, match="schedule entry 1 .*JSON object"):
+    pj.load_directives([pj.split(2), object()])
 
 
 def test_errors_come_before_compiling(monkeypatch):
