@@ -151,9 +151,15 @@ class Plan:
     cost = {n.id: pass_costs[n.pass_.value] * (max(flops[n.region] / scale, 0.05) if scale else 1)
             for n in order}
     preds = {n.id: _compute_preds(graph, n.id) for n in order}
+    # Tick budgets to try: one task; a microbatch's F with one of its backward passes;
+    # its F with all of them (ZB's BI and BW beside the next F, as 1F1B's B).
+    work: dict[tuple[int, int], dict[Pass, float]] = {}
+    for n in order:
+      work.setdefault((n.region, n.mb), {})[n.pass_] = cost[n.id]
     candidates = sorted({max(cost.values())} | {
-        cost[a.id] + cost[b.id] for a in order for b in order
-        if a.region == b.region and a.mb == b.mb and a.pass_ is Pass.F and b.pass_ is not Pass.F})
+        c[Pass.F] + extra for c in work.values() if Pass.F in c
+        for extra in [v for p, v in c.items() if p is not Pass.F]
+        + [sum(v for p, v in c.items() if p is not Pass.F)]})
     if mesh.n_pp == 1:  # no messages between ranks: one tick holds everything, except
       # under ZeRO 2/3, which reduce-scatter gradients and gather parameters per tick:
       # one task a tick, so each region's are reduced, or gathered, on their own.

@@ -52,6 +52,22 @@ def test_pipeline_plan_inserts_send_recv_and_1f1b_ticks():
   assert "r1F0" in str(plan) and "send" in str(plan)
 
 
+def test_zero_bubble_ticks_hold_a_whole_backward():
+  # Ticks end in a collective every rank waits on, so a tick lasts as long as its
+  # busiest rank. ZB-H1's BI and BW of a microbatch share a tick with the next F, as
+  # 1F1B's B does; F alone on one rank beside BI + BW on the other wasted a third.
+  import piper_jax as pj
+  from piper_jax.ir.plan import _makespan
+  plans = {s: ir.make_plan(chain_model(2), pj.strategies.pipeline(2, 8, s), n_devices=2)
+           for s in ("1f1b", "zb")}
+  span = {s: _makespan({t.node: t.tick for t in p.tasks.values()},
+                       {t.node: t.rank for t in p.tasks.values()},
+                       {t.node: t.cost for t in p.tasks.values()}) for s, p in plans.items()}
+  assert len(plans["zb"].ticks) == len(plans["1f1b"].ticks) == 10
+  assert span["zb"] == pytest.approx(span["1f1b"])
+  assert [t.label for t in plans["zb"].ticks[3][1]] == ["r1F2", "r1BI2", "r1BW2"]
+
+
 def test_replicate_inserts_collectives_by_zero_stage():
   import piper_jax as pj
   model = chain_model(2, batch=16)
