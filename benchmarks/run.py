@@ -42,7 +42,11 @@ not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off).
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
-For each: median step time over `--steps` steps after `--warmup`, tokens/s, MFU
+For each: median step time over `--steps` steps after `--warmup`, as a training loop runs
+them (each step called before the previous one's loss is waited for, so the host
+prepares the next step while the GPU runs this one; "blocked ms" is the median with
+the host waiting for each step before calling the next, the step time of sessions
+1-19), tokens/s, MFU
 (against the dense bf16 peak of the card, `examples.gpt.PEAK_FLOPS`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
 step), and the ratio of tokens/s to the matching plain-JAX baseline.
@@ -300,14 +304,29 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   for i in range(warmup):
     state, loss = call(state, batches[(i + 1) % len(batches)])
   loss.block_until_ready()
-  times, dispatch = [], []
-  for i in range(steps):
+  # Steps as a training loop runs them: each step's call is made before the previous
+  # step's loss is waited for, so the host prepares step i + 1 while the GPU runs step
+  # i, and a step's time is from one loss being ready to the next.
+  done, dispatch, prev = [], [], None
+  for i in range(steps + 1):
     t0 = time.perf_counter()
     state, loss = call(state, batches[i % len(batches)])
     dispatch.append(time.perf_counter() - t0)  # until the call returns, before the GPU ends
+    if prev is not None:
+      prev.block_until_ready()
+      done.append(time.perf_counter())
+    prev = loss
+  loss.block_until_ready()
+  done.append(time.perf_counter())
+  step_s = float(np.median(np.diff(done)))
+  # The same steps with the host waiting for each before calling the next (sessions
+  # 1-19's step time): the GPU idles while the host launches the step's first work.
+  blocked = []
+  for i in range(steps):
+    t0 = time.perf_counter()
+    state, loss = call(state, batches[i % len(batches)])
     loss.block_until_ready()
-    times.append(time.perf_counter() - t0)
-  step_s = float(np.median(times))
+    blocked.append(time.perf_counter() - t0)
   peak = 0
   for d in jax.local_devices():
     stats = d.memory_stats() or {}
@@ -318,7 +337,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   fpt = (moe.flops_per_token if model.startswith("moe-") else gpt.flops_per_token)(config)
   mfu = fpt * tps / (n * peak_flops) if peak_flops else None
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
-          "step_ms": step_s * 1e3, "dispatch_ms": float(np.median(dispatch)) * 1e3,
+          "step_ms": step_s * 1e3, "step_ms_blocked": float(np.median(blocked)) * 1e3,
+          "dispatch_ms": float(np.median(dispatch)) * 1e3,
           "tokens_per_s": tps, "mfu": mfu,
           "peak_gib": peak / 2**30 if peak else None, "compile_s": max(first - step_s, 0.0),
           "loss": float(loss), "attention": gpt.attention_implementation(config),
@@ -356,13 +376,13 @@ def add_predictions(rows) -> None:
 def table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of result rows; `baseline_of(variant, model)` names the row each ratio
   is against."""
-  head = ("| model | variant | devices | step ms | sim ms | tok/s | vs baseline | MFU | peak GiB "
-          "| compile s |")
-  lines = [head, "|" + "---|" * 10]
+  head = ("| model | variant | devices | step ms | blocked ms | sim ms | tok/s | vs baseline | MFU "
+          "| peak GiB | compile s |")
+  lines = [head, "|" + "---|" * 11]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | | | {r['error']} | | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | | | | {r['error']} | | | | |")
       continue
     name = baseline_of(r["variant"], r["model"])
     b = base.get((r["model"], name))
@@ -370,7 +390,8 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
     sim = f"{r['sim_ms']:.1f}" if r.get("sim_ms") else "-"
-    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | {sim} | "
+    blocked = f"{r['step_ms_blocked']:.1f}" if r.get("step_ms_blocked") else "-"
+    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | {blocked} | {sim} | "
                  f"{r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {mfu} | {peak} | {r['compile_s']:.1f} |")
   return "\n".join(lines)
 
