@@ -140,6 +140,11 @@ def main():
   ap.add_argument("--keep", action="store_true", help="copy the Perfetto trace to OUT/trace.json.gz")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
+  # XLA runs without its CUDA graphs while profiling unless told otherwise; a pipeline's
+  # ticks run as graphs, so profile what the benchmark runs.
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_enable_command_buffers_during_profiling" not in flags:
+    os.environ["XLA_FLAGS"] = flags + " --xla_enable_command_buffers_during_profiling=true"
   import jax
 
   from benchmarks.run import make_step

@@ -69,6 +69,15 @@ def test_profile_summary(tmp_path):
   assert "gemm_#" in text and "other_gpu" not in text
   assert "100.0 ms" not in text and "0.1 ms x1      gemm_12" in summarize(str(path), named=3)
   assert "GPU:1 1 kernels over 1.0 ms" in summarize(str(path), gpu=1)
+  # tick_table cuts a GPU's timeline at its NCCL kernels (a pipeline's ticks end in one).
+  from profile_step import tick_table
+  ticks = kernels[:2] + [{"ph": "X", "pid": 7, "tid": 1, "ts": 300, "dur": 50,
+                          "name": "ncclDevKernel_SendRecv"}] + kernels[2:3]
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": meta + ticks}, f)
+  rows = tick_table(str(path), [0]).splitlines()
+  assert rows[1].split()[:5] == ["0.00", "0.15", "0.15", "0.05", "2"], rows
+  assert rows[2].split()[:2] == ["0.35", "0.01"], rows
 
 
 def test_baseline_of_each_variant():
