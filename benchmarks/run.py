@@ -10,7 +10,8 @@ Pipeline variants are pp-SCHEDULE (gpipe, 1f1b, zb, interleaved, dualpipev) over
 the data-parallel axis (default `--zero`). Interleaved and DualPipeV hold two stages
 per rank. Each pipeline row also gives the simulator's prediction (`plan.simulate`
 with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row of
-the same run: predicted = DP step time x makespan / (work per rank). `dp@b25` is
+the same run: predicted = DP step time x makespan / (work per rank); the JSON's
+`sim_tick_ms` predicts from `tick_makespan` (tick by tick, as the lowering runs). `dp@b25` is
 data parallel with gradients all-reduced in 25 MB buckets during the backward. `shmap-dp`
 is plain JAX data parallel written with `shard_map` (loss and gradients per device, then
 `pmean`): the fair baseline for MoE models, whose `jit-dp` routes the global batch as
@@ -278,8 +279,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")
       work = sum(t.cost for t in call.plan.tasks.values()) / call.plan.n_ranks
-      sim = {"sim_makespan": report.makespan, "sim_work_per_rank": work,
-             "sim_bubble": report.bubble_fraction}
+      sim = {"sim_makespan": report.makespan, "sim_tick_makespan": report.tick_makespan,
+             "sim_work_per_rank": work, "sim_bubble": report.bubble_fraction}
   return call, state, batches, config, sim
 
 
@@ -371,6 +372,7 @@ def add_predictions(rows) -> None:
     dp = ok.get((r["model"], BASELINE_OF(r["variant"], r["model"])))
     if "sim_makespan" in r and dp:
       r["sim_ms"] = dp["step_ms"] * r["sim_makespan"] / r["sim_work_per_rank"]
+      r["sim_tick_ms"] = dp["step_ms"] * r["sim_tick_makespan"] / r["sim_work_per_rank"]
 
 
 def table(rows, baseline_of=BASELINE_OF) -> str:

@@ -57,15 +57,14 @@ def test_zero_bubble_ticks_hold_a_whole_backward():
   # busiest rank. ZB-H1's BI and BW of a microbatch share a tick with the next F, as
   # 1F1B's B does; F alone on one rank beside BI + BW on the other wasted a third.
   import piper_jax as pj
-  from piper_jax.ir.plan import _makespan
   plans = {s: ir.make_plan(chain_model(2), pj.strategies.pipeline(2, 8, s), n_devices=2)
            for s in ("1f1b", "zb")}
-  span = {s: _makespan({t.node: t.tick for t in p.tasks.values()},
-                       {t.node: t.rank for t in p.tasks.values()},
-                       {t.node: t.cost for t in p.tasks.values()}) for s, p in plans.items()}
+  span = {s: p.simulate({"F": 1, "BI": 1, "BW": 1}).tick_makespan for s, p in plans.items()}
   assert len(plans["zb"].ticks) == len(plans["1f1b"].ticks) == 10
-  assert span["zb"] == pytest.approx(span["1f1b"])
+  assert span["zb"] == span["1f1b"] == 2 + 3 + 7 * 3 + 2  # F F | F B | 7 x (B F) | B
   assert [t.label for t in plans["zb"].ticks[3][1]] == ["r1F2", "r1BI2", "r1BW2"]
+  # A message costs "comm" once per tick that sends one: all but the last tick here.
+  assert plans["1f1b"].simulate({"F": 1, "B": 2, "comm": 0.5}).tick_makespan == 28 + 9 * 0.5
 
 
 def test_replicate_inserts_collectives_by_zero_stage():
