@@ -6,6 +6,7 @@ import dataclasses
 from typing import Mapping
 
 from piper_jax.ir.graph import Pass
+from piper_jax.ir.plan import _makespan
 
 __all__ = ["SimReport", "simulate"]
 
@@ -134,10 +135,7 @@ def _simulate(plan, cost: dict[str, float], comm: float) -> SimReport:
 
 def _tick_makespan(plan, cost: dict[str, float], comm: float) -> float:
   tasks = plan.tasks
+  span = _makespan({i: t.tick for i, t in tasks.items()}, {i: t.rank for i, t in tasks.items()},
+                   cost)
   senders = {p for n, ps in plan.preds.items() for p in ps if tasks[p].rank != tasks[n].rank}
-  total = 0.0
-  for tick in plan.ticks:
-    total += max((sum(cost[t.node] for t in ts) for ts in tick), default=0.0)
-    if comm and any(t.node in senders for ts in tick for t in ts):
-      total += comm
-  return total
+  return span + comm * len({tasks[p].tick for p in senders})
