@@ -115,6 +115,65 @@ def schedule_ticks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: M
   return tick_of
 
 
+TICK_COST = 0.05
+
+
+def delay_tasks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: Mapping[str, int],
+                cost: Mapping[str, float], tick_of: Mapping[str, int],
+                chain: Mapping[str, tuple] | None = None) -> dict[str, int]:
+  """Moves tasks to later ticks of their rank where that shortens the ticked step.
+
+  A tick lasts as long as its busiest rank, so a task on a rank that waits anyway can
+  run later for free: 1F1B's second warm-up F on the first rank goes from the first
+  tick, where it ran alone, to the second, beside the last rank's F and B. A task
+  stays before its rank's next task and its consumers (a tick before those on other
+  ranks); members of order groups and chains stay where they are.
+  """
+  chain = chain or {}
+  together: dict[tuple, int] = {}  # a stage cut into several regions moves as one: not here
+  for i, key in chain.items():
+    together[(rank[i], key)] = together.get((rank[i], key), 0) + 1
+  tick_of = dict(tick_of)
+  succs: dict[str, list[str]] = {n.id: [] for n in order}
+  for n in order:
+    for p in preds[n.id]:
+      succs[p].append(n.id)
+  nxt: dict[str, str] = {}
+  last: dict[int, str] = {}
+  for n in order:
+    if rank[n.id] in last:
+      nxt[last[rank[n.id]]] = n.id
+    last[rank[n.id]] = n.id
+  load: dict[tuple[int, int], float] = {}
+  for i, t in tick_of.items():
+    load[(rank[i], t)] = load.get((rank[i], t), 0.0) + cost[i]
+  ranks = sorted(set(rank.values()))
+  tick_len = lambda t: max(load.get((r, t), 0.0) for r in ranks)
+  for n in reversed(order):
+    i, r, t = n.id, rank[n.id], tick_of[n.id]
+    if n.group is not None or together.get((r, chain.get(i)), 0) > 1:
+      continue
+    latest = min([tick_of[nxt[i]]] if i in nxt else [max(tick_of.values())])
+    for s in succs[i]:
+      latest = min(latest, tick_of[s] - (rank[s] != r))
+    best, gain = t, 0.0
+    for u in range(t + 1, latest + 1):
+      before = tick_len(t) + tick_len(u)
+      load[(r, t)] -= cost[i]
+      load[(r, u)] = load.get((r, u), 0.0) + cost[i]
+      change = before - tick_len(t) - tick_len(u)
+      load[(r, u)] -= cost[i]
+      load[(r, t)] += cost[i]
+      if change > gain + 1e-9:
+        best, gain = u, change
+    if best != t:
+      load[(r, t)] -= cost[i]
+      load[(r, best)] = load.get((r, best), 0.0) + cost[i]
+      tick_of[i] = best
+  used = sorted(set(tick_of.values()))
+  return {i: used.index(t) for i, t in tick_of.items()}
+
+
 def _makespan(tick_of, rank, cost) -> float:
   load: dict[tuple[int, int], float] = {}
   for i, t in tick_of.items():
@@ -169,8 +228,11 @@ class Plan:
     chain = {n.id: (n.tags[0], n.mb, n.pass_ is Pass.F) for n in order if n.tags}
     best = None
     for budget in candidates:
-      tick_of = schedule_ticks(order, preds, rank, cost, budget, chain)
-      span = _makespan(tick_of, rank, cost)
+      tick_of = delay_tasks(order, preds, rank, cost,
+                            schedule_ticks(order, preds, rank, cost, budget, chain), chain)
+      # Each tick also costs a message round and a launch (TICK_COST, in units of
+      # the largest region's forward): fewer ticks win a near tie, and compile less.
+      span = _makespan(tick_of, rank, cost) + TICK_COST * (1 + max(tick_of.values(), default=-1))
       if best is None or span < best[0] - 1e-9:
         best = (span, tick_of)
     tick_of = best[1]
