@@ -39,7 +39,9 @@ piper-jax's, which run a pipeline's conditionals and loop as CUDA graphs; `+rema
 compiles with `remat=True` (elementwise residuals recomputed from a value stored in
 their place); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
 not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off).
-`+L9-7` sets the blocks of each pipeline stage.
+`+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
+`--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
+update mode and the allocator it needs), beside the same variant without them.
 
 Each variant runs in a fresh child process (so that its peak memory is its own and
 an out-of-memory error ends only that row), one after another on the same devices.
@@ -76,7 +78,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "cast", "nodistopt", "nocolsum",
-             "noroll", "nowidegrad", "nocmdbuf", "remat", "noslimcarry")
+             "noroll", "nowidegrad", "nocmdbuf", "remat", "noslimcarry", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
@@ -353,6 +355,8 @@ def _child(args, variant, model):
          "--zero", str(args.zero)] + (["--small"] if args.small else [])
   cmd += ["--attention", args.attention] if args.attention else []
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  if "xla" in split_variant(variant)[1]:  # process-wide XLA options, such as the allocator
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
   t0 = time.time()
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
   for line in proc.stdout.splitlines():
@@ -413,6 +417,9 @@ def main(argv=None):
   ap.add_argument("--attention", default=None, choices=["xla", "cudnn"],
                   help="attention implementation (default: cuDNN for bf16 on GPU, else XLA)")
   ap.add_argument("--small", action="store_true", help="tiny model on 8 CPU devices")
+  ap.add_argument("--xla-flags", default="",
+                  help="XLA flags added to XLA_FLAGS for the variants with a +xla suffix "
+                       "(--xla-flags='--xla_flag=value ...')")
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -425,8 +432,11 @@ def main(argv=None):
     if {m for m in mods if not (_REGIONS.fullmatch(m) or _LAYERS.fullmatch(m))} - set(_SUFFIXES):
       raise ValueError(f"unknown suffix in {v!r}: use +rK, +L<blocks>-<blocks>... and "
                        + ", ".join("+" + m for m in _SUFFIXES))
-    if base in BASELINES and set(mods) - {"bf16"}:
-      raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16")
+    if base in BASELINES and set(mods) - {"bf16", "xla"}:
+      raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16 and +xla")
+    if "xla" in mods and not args.xla_flags:
+      raise ValueError(f"{v!r}: +xla runs the variant with --xla-flags added to XLA_FLAGS; "
+                       "give --xla-flags")
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)
