@@ -254,7 +254,8 @@ class Plan:
     return [r for r, k in sorted(self.mesh.region_rank.items()) if k == rank]
 
   def table(self) -> str:
-    """A rank x tick grid of task labels ('r1F3' = region 1, forward, microbatch 3)."""
+    """A rank x tick grid of task labels ('r1F3' = region 1, forward, microbatch 3), and
+    each tick's length: its busiest rank's planned cost (the largest region's F = 1)."""
     rows = []
     head = ["rank (devices)"] + [f"t{t}" for t in range(len(self.ticks))]
     for r in range(self.n_ranks):
@@ -262,6 +263,9 @@ class Plan:
       for tick in self.ticks:
         cells.append(" ".join(t.label for t in tick[r]) or ".")
       rows.append(cells)
+    if self.n_ranks > 1:
+      rows.append(["tick length"] + [f"{max(sum(t.cost for t in ts) for ts in tick):.2f}"
+                                     for tick in self.ticks])
     widths = [max(len(row[c]) for row in [head] + rows) for c in range(len(head))]
     fmt = lambda row: " | ".join(x.ljust(w) for x, w in zip(row, widths))
     return "\n".join([fmt(head), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows])
