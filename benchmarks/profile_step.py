@@ -113,7 +113,7 @@ def tick_table(trace_path: str, gpus: list[int]) -> str:
         idle = (a - start) - busy if a > start else 0.0
         lines.append(f"  {(start - t0) / 1e3:7.2f} {busy / 1e3:6.2f} {max(idle, 0) / 1e3:6.2f} "
                      f"{e['dur'] / 1e3:6.2f} {count:5d}  {e['name'][:40]}")
-        start, busy, count, end = b, 0.0, 0, b
+        start, busy, count, end = b, 0.0, 0, max(end, b)
         continue
       busy += max(0.0, b - max(a, end))
       end, count = max(end, b), count + 1
@@ -143,7 +143,7 @@ def main():
   # XLA runs without its CUDA graphs while profiling unless told otherwise; a pipeline's
   # ticks run as graphs, so profile what the benchmark runs.
   flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_enable_command_buffers_during_profiling" not in flags:
+  if "xla_enable_command_buffers_during_profiling" not in re.findall(r"--(?:no)?(\w+)", flags):
     os.environ["XLA_FLAGS"] = flags + " --xla_enable_command_buffers_during_profiling=true"
   import jax
 

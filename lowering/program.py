@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from typing import Any
 
 import jax
@@ -117,8 +118,8 @@ class Program:
     options that XLA_FLAGS already name are left to it."""
     if platform != "gpu" or self.plan.n_ranks == 1:
       return {}
-    flags = os.environ.get("XLA_FLAGS", "")
-    return {k: v for k, v in PIPELINE_XLA_OPTIONS.items() if k not in flags}
+    named = set(re.findall(r"--(?:no)?(\w+)", os.environ.get("XLA_FLAGS", "")))
+    return {k: v for k, v in PIPELINE_XLA_OPTIONS.items() if k not in named}
 
   def _pass(self, name: str, region: int, fn):
     """`fn` (one pass of a region), jitted once per (pass, region): traced for the

@@ -447,6 +447,9 @@ def test_compiler_options(monkeypatch):
   assert pp._program.compiler_options("gpu") == {"xla_gpu_graph_min_graph_size": 1}
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5")
   assert pp._program.compiler_options("gpu") == {}
+  # A longer flag that starts with the same name is another option.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer_va_remapping=true")
+  assert pp._program.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
   # The user's options reach XLA in place of piper-jax's.
   bad = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch,
                    compiler_options={"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
