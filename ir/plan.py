@@ -210,12 +210,14 @@ class Plan:
     cost = {n.id: pass_costs[n.pass_.value] * (max(flops[n.region] / scale, 0.05) if scale else 1)
             for n in order}
     preds = {n.id: _compute_preds(graph, n.id) for n in order}
-    # Tick budgets to try: one task; a microbatch's F with one of its backward passes;
-    # its F with all of them (ZB's BI and BW beside the next F, as 1F1B's B).
+    # Tick budgets to try: one task a tick (0: GPipe's forwards one at a time, so
+    # that the next rank starts a task earlier); the largest task's cost; a
+    # microbatch's F with one of its backward passes; its F with all of them (ZB's
+    # BI and BW beside the next F, as 1F1B's B).
     work: dict[tuple[int, int], dict[Pass, float]] = {}
     for n in order:
       work.setdefault((n.region, n.mb), {})[n.pass_] = cost[n.id]
-    candidates = sorted({max(cost.values())} | {
+    candidates = sorted({0.0, max(cost.values())} | {
         c[Pass.F] + extra for c in work.values() if Pass.F in c
         for extra in [v for p, v in c.items() if p is not Pass.F]
         + [sum(v for p, v in c.items() if p is not Pass.F)]})
