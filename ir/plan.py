@@ -145,15 +145,18 @@ def delay_tasks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: Mapp
       nxt[last[rank[n.id]]] = n.id
     last[rank[n.id]] = n.id
   load: dict[tuple[int, int], float] = {}
+  count: dict[int, int] = {}  # tasks per tick: a move that empties a tick saves TICK_COST
   for i, t in tick_of.items():
     load[(rank[i], t)] = load.get((rank[i], t), 0.0) + cost[i]
+    count[t] = count.get(t, 0) + 1
   ranks = sorted(set(rank.values()))
   tick_len = lambda t: max(load.get((r, t), 0.0) for r in ranks)
+  end = max(tick_of.values(), default=0)
   for n in reversed(order):
     i, r, t = n.id, rank[n.id], tick_of[n.id]
     if n.group is not None or together.get((r, chain.get(i)), 0) > 1:
       continue
-    latest = min([tick_of[nxt[i]]] if i in nxt else [max(tick_of.values())])
+    latest = tick_of[nxt[i]] if i in nxt else end
     for s in succs[i]:
       latest = min(latest, tick_of[s] - (rank[s] != r))
     best, gain = t, 0.0
@@ -161,7 +164,7 @@ def delay_tasks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: Mapp
       before = tick_len(t) + tick_len(u)
       load[(r, t)] -= cost[i]
       load[(r, u)] = load.get((r, u), 0.0) + cost[i]
-      change = before - tick_len(t) - tick_len(u)
+      change = before - tick_len(t) - tick_len(u) + (TICK_COST if count[t] == 1 else 0.0)
       load[(r, u)] -= cost[i]
       load[(r, t)] += cost[i]
       if change > gain + 1e-9:
@@ -169,6 +172,8 @@ def delay_tasks(order: Sequence[Node], preds: Mapping[str, set[str]], rank: Mapp
     if best != t:
       load[(r, t)] -= cost[i]
       load[(r, best)] = load.get((r, best), 0.0) + cost[i]
+      count[t] -= 1
+      count[best] = count.get(best, 0) + 1
       tick_of[i] = best
   used = sorted(set(tick_of.values()))
   return {i: used.index(t) for i, t in tick_of.items()}
@@ -230,8 +235,9 @@ class Plan:
     chain = {n.id: (n.tags[0], n.mb, n.pass_ is Pass.F) for n in order if n.tags}
     best = None
     for budget in candidates:
-      tick_of = delay_tasks(order, preds, rank, cost,
-                            schedule_ticks(order, preds, rank, cost, budget, chain), chain)
+      tick_of = schedule_ticks(order, preds, rank, cost, budget, chain)
+      if mesh.n_pp > 1:  # one rank's ticks are as the budget cut them (ZeRO 2/3: a task each)
+        tick_of = delay_tasks(order, preds, rank, cost, tick_of, chain)
       # Each tick also costs a message round and a launch (TICK_COST, in units of
       # the largest region's forward): fewer ticks win a near tie, and compile less.
       span = _makespan(tick_of, rank, cost) + TICK_COST * (1 + max(tick_of.values(), default=-1))
