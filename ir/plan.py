@@ -315,10 +315,10 @@ class Plan:
   def to_dot(self) -> str:
     return self.graph.to_dot()
 
-  def timeline(self, path, costs=None):
+  def timeline(self, path, costs=None, ticks: bool = False):
     """Writes a per-device Gantt chart (.svg, .png or .html); see `piper_jax.viz.timeline`."""
     from piper_jax.viz import timeline
-    return timeline(self, path, costs)
+    return timeline(self, path, costs, ticks)
 
   def simulate(self, costs):
     """Simulated makespan, bubble fraction and peak activations; see `ir.simulate`."""

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Mapping
 
 from piper_jax.ir.graph import Pass
-from piper_jax.ir.plan import _makespan
 
 __all__ = ["SimReport", "simulate"]
 
@@ -25,6 +24,7 @@ class SimReport:
     tick_makespan: the step as the lowering runs it: tick by tick, each tick as long
       as its busiest rank (every rank waits for the tick's messages), plus "comm"
       for each tick that sends any. At least `makespan`.
+    tick_start, tick_end: per task label, its start and end when run tick by tick.
   """
 
   makespan: float
@@ -33,6 +33,8 @@ class SimReport:
   start: dict[str, float]
   end: dict[str, float]
   tick_makespan: float = 0.0
+  tick_start: dict[str, float] = dataclasses.field(default_factory=dict)
+  tick_end: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def __str__(self):
     return (f"makespan {self.makespan:g} ({self.tick_makespan:g} in ticks), bubble "
@@ -129,13 +131,27 @@ def _simulate(plan, cost: dict[str, float], comm: float) -> SimReport:
       best = max(best, live)
     peak[rank] = best
   label = lambda i: tasks[i].label
+  ticked, tick_start, tick_end = _ticked(plan, cost, comm)
   return SimReport(makespan, bubble, peak, {label(i): v for i, v in start.items()},
-                   {label(i): v for i, v in end.items()}, _tick_makespan(plan, cost, comm))
+                   {label(i): v for i, v in end.items()}, ticked,
+                   {label(i): v for i, v in tick_start.items()},
+                   {label(i): v for i, v in tick_end.items()})
 
 
-def _tick_makespan(plan, cost: dict[str, float], comm: float) -> float:
+def _ticked(plan, cost: dict[str, float], comm: float):
+  """(makespan, start, end by node) of the plan run tick by tick: each tick starts when
+  the previous one's busiest rank is done (and its messages, `comm`, have arrived)."""
   tasks = plan.tasks
-  span = _makespan({i: t.tick for i, t in tasks.items()}, {i: t.rank for i, t in tasks.items()},
-                   cost)
   senders = {p for n, ps in plan.preds.items() for p in ps if tasks[p].rank != tasks[n].rank}
-  return span + comm * len({tasks[p].tick for p in senders})
+  start, end, now = {}, {}, 0.0
+  for tick in plan.ticks:
+    length = 0.0
+    for ts in tick:
+      at = now
+      for t in ts:
+        start[t.node], at = at, at + cost[t.node]
+        end[t.node] = at
+      length = max(length, at - now)
+    sends = comm and any(t.node in senders for ts in tick for t in ts)
+    now += length + (comm if sends else 0.0)
+  return now, start, end

@@ -123,6 +123,19 @@ def test_timeline_picture(tmp_path, ext):
     assert b"<svg" in data and b"rank 0" in data
   with pytest.raises(ValueError, match="svg, .png or .html"):
     plan.timeline(tmp_path / "plan.jpg")
+  if ext == ".svg":  # tick by tick, as the lowering runs it
+    ticked = open(plan.timeline(tmp_path / "ticks.svg", ticks=True)).read()
+    assert f"{len(plan.ticks)} ticks" in ticked
+
+
+def test_tick_by_tick_times():
+  # Each tick starts when the previous one's busiest rank ends; a rank's tasks in a
+  # tick run back to back.
+  plan = ir.make_plan(chain_model(2), pj.strategies.pipeline(2, 4, "1f1b"), n_devices=2)
+  r = plan.simulate({"F": 1, "B": 2})
+  assert (r.tick_start["r0F0"], r.tick_start["r0F1"], r.tick_start["r1F0"]) == (0, 1, 1)
+  assert (r.tick_start["r1B0"], r.tick_end["r1B0"], r.tick_start["r0B0"]) == (2, 4, 4)
+  assert max(r.tick_end.values()) == r.tick_makespan >= r.makespan
 
 
 def test_simulate_with_jaxpr_flops():
