@@ -11,7 +11,7 @@ from piper_jax.ir.graph import Graph, Node, NodeKind, Pass
 from piper_jax.ir.mesh import MeshSpec
 from piper_jax.ir.model import ModelSpec
 
-__all__ = ["Task", "Plan", "schedule_ticks"]
+__all__ = ["Task", "Plan", "schedule_ticks", "delay_tasks"]
 
 _PASS_RANK = {Pass.F: 0, Pass.B: 1, Pass.BI: 1, Pass.BW: 2}
 

@@ -75,9 +75,10 @@ class _State:
 # stream, and launches the branch's kernels one by one; at a microbatch of 2 sequences
 # many take a few microseconds. Each tick's conditional sits alone between two
 # collective-permutes (which do not go into graphs), so the smallest graph must be one
-# command, or XLA leaves the conditional on the host. On 2 x H200, 268M 1F1B: 65.5 ms
-# without graphs, 63.6 with them but the minimum size left at XLA's, 60.2 with both;
-# the host's call returned after 30 instead of 63 ms. jit DP has no conditionals.
+# command, or XLA leaves the conditional on the host. On 2 x H200, 268M 1F1B (one run):
+# 63.6 ms with these kinds but XLA's minimum size (the conditionals stayed on the host),
+# 60.2 with the minimum at 1; the host's call returned after 30 instead of 63 ms. jit DP
+# has no conditionals.
 PIPELINE_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
                             "CONDITIONAL,WHILE")
 PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS,

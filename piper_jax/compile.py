@@ -293,7 +293,8 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
       a slightly lower peak (24.3 vs 26.8 GiB on the 1.34B GPT's 1F1B).
     compiler_options: XLA options for the step's `jax.jit`. None takes piper-jax's: on
       GPUs, a pipeline's per-tick conditional and rolled loop run as CUDA graphs
-      (`xla_gpu_enable_command_buffer`, unless XLA_FLAGS sets it); `{}` takes XLA's.
+      (`xla_gpu_enable_command_buffer` and `xla_gpu_graph_min_graph_size`, each unless
+      XLA_FLAGS names it); `{}` takes XLA's.
     remat: B recomputes a residual made by elementwise equations from one value F
       stores in its place when that is no larger (GELU's intermediates from the matmul
       before them, LayerNorm's from its input and statistics). Less memory: the 268M
