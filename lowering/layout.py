@@ -127,7 +127,11 @@ class ParamLayout:
   `shared[dtype]`: [n_dp, C_shared].
   """
 
-  cast_in_pipelines = False  # benchmarks/run.py's "+cast": the A/B of the choice below
+  # benchmarks/run.py's A/B switches of the choices below: "+nocast" (no pipeline
+  # casts once per step) and "+nounpack" (pipeline tasks slice their weights from the
+  # cast segments).
+  cast_in_pipelines = True
+  unpack_in_pipelines = True
 
   def __init__(self, model: ModelSpec, plan: Plan,
                split: dict[int, tuple[int, str]] | None = None,
@@ -143,10 +147,9 @@ class ParamLayout:
     self.params = model.params
     # Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
     # once per step: one target per dtype (the commonest), in slots of their own.
-    # Pipelines below ZeRO-3 cast in each task instead: XLA fuses such a cast into the
-    # matmul reading it, and a bf16 copy made once and passed through every tick's
-    # switch made the 268M 1F1B compile 11-13 s (20%) longer and peak 0.22 GiB higher
-    # for a step time within +-3% (runs Z and AB).
+    # (Pipelines once cast in every task instead, for compile time; with the rolled
+    # loop and its command buffers, casting once is faster and compiles faster: 268M
+    # 1F1B 48.8 vs 50.0 ms, 27 vs 32 s, run AZ.)
     if self.n_pp > 1 and self.zero < 3 and not self.cast_in_pipelines:
       casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
@@ -205,6 +208,23 @@ class ParamLayout:
                      for dt in self.dtypes}
     self.cast_slots = {(h.slot, h.dtype) for p, h in enumerate(self.home) if p in self.cast}
     self._index = {(j, dt): i for dt, js in self.slot_ids.items() for i, j in enumerate(js)}
+    # A pipeline's cast leaves, unpacked once per step into arrays of their own that
+    # every tick's switch passes through: sliced from a packed segment inside a tick,
+    # each weight is copied (a memcpy for cuBLAS) by every task reading it, F's and B's:
+    # 2 copies of the stage's weights a tick (run BE). Positions are shared across
+    # ranks by shape (`match_positions`); a rank fills the others' with zeros.
+    self.unpacked_positions: list[tuple] = []
+    self.unpacked_pos: dict[int, int] = {}
+    if self.n_pp > 1 and self.zero < 3 and self.unpack_in_pipelines:
+      per_rank: dict[int, list] = {}
+      for p in sorted(self.cast):
+        h = self.home[p]
+        if h.slot != SHARED:
+          per_rank.setdefault(h.rank, []).append(
+              (p, jax.ShapeDtypeStruct(h.shape, jnp.dtype(self.cast_to[h.dtype]))))
+      self.unpacked_positions, where = match_positions(per_rank)
+      self.unpacked_pos = {p: pos for (_, p), pos in where.items()}
+    self.unpacked_slots = {(self.home[p].slot, self.home[p].dtype) for p in self.unpacked_pos}
     self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
 
   @property
@@ -344,3 +364,19 @@ class ParamLayout:
 
   def leaf(self, segment: jax.Array, h: Home) -> jax.Array:
     return segment[h.offset:h.offset + h.size].reshape(h.shape)
+
+  def unpack_cast(self, local: dict) -> list[jax.Array]:
+    """This rank's cast leaves (`unpacked_pos`), sliced from its local buffers (whole
+    segments) and cast; positions of other ranks' leaves hold zeros."""
+    def unpack(rank):
+      def run(local):
+        out = [jnp.zeros(shape, dt) for shape, dt in self.unpacked_positions]
+        for p, pos in self.unpacked_pos.items():
+          h = self.home[p]
+          if h.rank == rank:
+            seg = self.local_segment(local, h.slot, h.dtype)
+            out[pos] = self.leaf(seg, h).astype(self.cast_to[h.dtype])
+        return out
+      return run
+
+    return lax.switch(lax.axis_index("pp"), [unpack(r) for r in range(self.n_pp)], local)

@@ -299,12 +299,15 @@ class Program:
     # dtype, and the cast is a no-op), or all-gathered in that dtype per tick under ZeRO-3,
     # instead of being cast again from fp32 in every task that reads them.
     if layout.zero < 3 and layout.cast_to:  # the cast copies of the slots with cast leaves
+      cast_slots = layout.cast_slots - layout.unpacked_slots
       params = dict(params, cast={
-          "slots": {dt: [x.astype(to) if (j, dt) in layout.cast_slots else None
+          "slots": {dt: [x.astype(to) if (j, dt) in cast_slots else None
                          for j, x in zip(layout.slot_ids[dt], params["slots"][dt])]
                     for dt, to in layout.cast_to.items()},
           "shared": {dt: params["shared"][dt].astype(to) for dt, to in layout.cast_to.items()
                      if (SHARED, dt) in layout.cast_slots}})
+      if layout.unpacked_pos:
+        params["leaves"] = layout.unpack_cast(params)
     w, t, n = self.window, 0, len(self.plan.ticks)
     ahead = None
     while t < n:
@@ -369,11 +372,12 @@ class Program:
     zero, axes = layout.zero, self.data_axes
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
     read = self._read(tick_i)
+    leaves = params.get("leaves", [])
     if zero == 3:
       segs, cast = gathered or self._gather(tick_i, params)
     else:
       segs, cast = None, params.get("cast")
-      params = {k: v for k, v in params.items() if k != "cast"}
+      params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
     split = self._split_pieces(params["split"], read)
     reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                     for key in self._reads(t)
@@ -386,6 +390,7 @@ class Program:
         acc_in[pos] = sums[pos]
     operands = {"arrays": {k: st.arrays[k] for k in reads},
                 "params": params if segs is None else segs, "cast": cast, "split": split,
+                "leaves": leaves,
                 "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
     branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
                 for rank in range(plan.n_ranks)]
@@ -580,6 +585,8 @@ class Program:
         if p in layout.split:
           return layout.local_piece({"split": ops["split"]}, p)
         h = layout.home[p]
+        if p in layout.unpacked_pos:  # (and the model's own cast turns it back)
+          return ops["leaves"][layout.unpacked_pos[p]].astype(h.dtype)
         if p in layout.cast:  # the model's own cast of this turns it back into the cast copy
           return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
         return layout.leaf(segment(h.slot, h.dtype, False), h)

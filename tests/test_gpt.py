@@ -247,6 +247,44 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3:
   assert not plain_step._layout.cast and not plain_step._layout.shards_masters
 
 
+def _bf16_weight_slices(step, state, batch) -> int:
+  """How many bf16 slices as big as a cast leaf the step's program makes: where tasks
+  read their weights from the packed cast copies."""
+  sizes = {step._layout.home[p].size for p in step._layout.cast}
+  hlo = step.lower(state, batch).as_text()
+  return sum(int(n) in sizes for n in re.findall(r"stablehlo.slice.*-> tensor<(\d+)xbf16>", hlo))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_pipeline_weights_unpacked_once(zero, monkeypatch):
+  # A pipeline below ZeRO-3 casts the weights it reads as bf16 once per step and
+  # unpacks them into arrays of their own before the ticks, which pass them through:
+  # no task slices its weights from a packed segment (on GPU a copy per task and tick).
+  # The numbers are those of slicing in every task, and of casting in every task.
+  import numpy as np
+  import models
+  from piper_jax.lowering.layout import ParamLayout
+  loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
+  tx = models.optimizer()
+  directives = pj.strategies.pipeline(2, 4, "1f1b", dp=2 if zero else 1, zero=zero)
+  losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
+  layout = step._layout
+  assert layout.cast and set(layout.unpacked_pos) == layout.cast
+  # Each sliced once, in the unpacking (in fp32, or gathered in bf16 under ZeRO-1/2).
+  assert _bf16_weight_slices(step, state, batches[0]) == (len(layout.cast) if zero else 0)
+  # The blocks of both stages share positions; the embedding and the head have their own.
+  assert len(layout.unpacked_positions) < len(layout.cast)
+  monkeypatch.setattr(ParamLayout, "unpack_in_pipelines", False)
+  sliced, want, sliced_step, sliced_state = models.piper_run(loss_fn, params, batches, tx,
+                                                             directives)
+  assert not sliced_step._layout.unpacked_pos
+  assert _bf16_weight_slices(sliced_step, sliced_state, batches[0]) > 2 * len(layout.cast)
+  np.testing.assert_allclose(losses, sliced, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                         got, want)
+  _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, monkeypatch)
+
+
 def test_fp32_model_has_no_weight_casts():
   config, loss, params = _gpt(2)
   batch = gpt.random_batch(config, jax.random.PRNGKey(0), 4)
@@ -281,10 +319,11 @@ def test_weight_casts_seen_inside_remat_and_jit(monkeypatch):
   losses, got, step, _ = models.piper_run(loss, params, batches, tx, directives)
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
   assert {names[p] for p in step._layout.cast} == {"['stage0']['w']", "['stage1']['w']"}
-  # A pipeline below ZeRO-3 casts in every task (XLA fuses that cast into the matmul).
+  # A pipeline below ZeRO-3 casts them once too, and unpacks them once (one per rank).
   pipe = pj.compile(loss, tx, pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1), params,
                     batches[0])
-  assert not pipe._layout.cast
+  assert set(pipe._layout.unpacked_pos) == pipe._layout.cast == step._layout.cast
+  assert len(pipe._layout.unpacked_positions) == 1  # the two stages' w share a position
   _same_as_without_casts(loss, params, batches, tx, directives, losses, got, monkeypatch)
 
 
