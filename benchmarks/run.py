@@ -29,15 +29,16 @@ the matmul, before the convert to the fp32 parameter's dtype. A `+noroll` suffix
 with `pj.compile(..., roll=False)`: every tick unrolled instead of the schedule's steady
 state as one loop (`+roll`, the default, is still accepted). A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
-slices and casts its own) and `+cast` turns it on for pipelines below ZeRO-3 (off by
-default there), for A/B runs; `+nodistopt` runs ZeRO-1/2 without the distributed
+slices and casts its own); `+taskcast` does so for pipelines only (their default until
+session 20), and `+nounpack` has a pipeline's tasks slice their weights from the cast
+segments instead of reading them unpacked once per step; `+nodistopt` runs ZeRO-1/2 without the distributed
 optimizer (replicated fp32 parameters, all-gathered in fp32 after the update);
 `+nocolsum` sums bias gradients without their own optimization barrier; `+nowidegrad`
 has a pipeline's bf16 weight-gradient GEMMs write bf16 (`regions.WIDE_WEIGHT_GRADS`
 off); `+nocmdbuf` compiles with XLA's own command buffers (`compiler_options={}`), not
 piper-jax's, which run a pipeline's conditionals and loop as CUDA graphs; `+remat`
 compiles with `remat=True` (elementwise residuals recomputed from a value stored in
-their place); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
+their place; pipelines do so by default, `+noremat` turns it off); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
 not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off).
 `+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
@@ -52,7 +53,8 @@ the host waiting for each step before calling the next, the step time of session
 1-19), tokens/s, MFU
 (against the dense bf16 peak of the card, `examples.gpt.PEAK_FLOPS`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
-step), and the ratio of tokens/s to the matching plain-JAX baseline.
+step, plus `pj.compile`'s own tracing and planning, `build_s`, which rows before
+session 20 left out), and the ratio of tokens/s to the matching plain-JAX baseline.
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
-_SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "cast", "nodistopt", "nocolsum",
-             "noroll", "nowidegrad", "nocmdbuf", "remat", "noslimcarry", "xla")
+_SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "taskcast", "nounpack",
+             "nodistopt", "nocolsum",
+             "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
@@ -256,7 +259,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     from piper_jax.lowering.layout import ParamLayout
     from piper_jax.lowering.trace import TracedLoss
     # For A/B runs: "+nocast", weights sliced and cast by every task, not once per step;
-    # "+cast", cast once per step in a pipeline below ZeRO-3 too; "+nodistopt", ZeRO-1/2
+    # "+taskcast", so in pipelines only; "+nounpack", a pipeline's tasks slice their
+    # weights from the cast segments, not unpacked once per step; "+nodistopt", ZeRO-1/2
     # without the distributed optimizer (replicated fp32 masters, all-gathered in fp32);
     # "+nocolsum", bias gradients summed without their own barrier; "+nowidegrad", bf16
     # weight-gradient GEMMs; "+nocmdbuf", XLA's default command buffers; "+noslimcarry",
@@ -264,8 +268,10 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     with contextlib.ExitStack() as patches:
       if "nocast" in mods:
         patches.enter_context(mock.patch.object(TracedLoss, "param_casts", lambda self: {}))
-      if "cast" in mods:
-        patches.enter_context(mock.patch.object(ParamLayout, "cast_in_pipelines", True))
+      if "taskcast" in mods:
+        patches.enter_context(mock.patch.object(ParamLayout, "cast_in_pipelines", False))
+      if "nounpack" in mods:
+        patches.enter_context(mock.patch.object(ParamLayout, "unpack_in_pipelines", False))
       if "nodistopt" in mods:
         patches.enter_context(mock.patch.object(ParamLayout, "shards_masters", False))
       if "nocolsum" in mods:
@@ -274,14 +280,16 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
         patches.enter_context(mock.patch.object(regions, "SLIM_CARRY", False))
       if "nowidegrad" in mods:
         patches.enter_context(mock.patch.object(regions, "WIDE_WEIGHT_GRADS", False))
+      t0 = time.perf_counter()
       call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="noroll" not in mods,
                         compiler_options={} if "nocmdbuf" in mods else None,
-                        remat="remat" in mods)
+                        remat=True if "remat" in mods else False if "noremat" in mods else None)
+      sim["build_s"] = time.perf_counter() - t0  # tracing, planning, region analysis
     state = call.init(params)
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")
       work = sum(t.cost for t in call.plan.tasks.values()) / call.plan.n_ranks
-      sim = {"sim_makespan": report.makespan, "sim_tick_makespan": report.tick_makespan,
+      sim = {**sim, "sim_makespan": report.makespan, "sim_tick_makespan": report.tick_makespan,
              "sim_work_per_rank": work, "sim_bubble": report.bubble_fraction}
   return call, state, batches, config, sim
 
@@ -343,7 +351,9 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
           "step_ms": step_s * 1e3, "step_ms_blocked": float(np.median(blocked)) * 1e3,
           "dispatch_ms": float(np.median(dispatch)) * 1e3,
           "tokens_per_s": tps, "mfu": mfu,
-          "peak_gib": peak / 2**30 if peak else None, "compile_s": max(first - step_s, 0.0),
+          "peak_gib": peak / 2**30 if peak else None,
+          # pj.compile's own work counts, as jax.jit's tracing does in its first call.
+          "compile_s": max(first - step_s, 0.0) + sim.get("build_s", 0.0),
           "loss": float(loss), "attention": gpt.attention_implementation(config),
           "stage_layers": [e - b for b, e in config.stage_bounds], **sim}
 

@@ -100,9 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-roll", dest="roll", action="store_false",
                  help="unroll every tick instead of compiling the schedule's steady state as "
                       "one loop (pj.compile(roll=False))")
-  p.add_argument("--remat", action="store_true",
+  p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                  help="store less per microbatch: B recomputes elementwise residuals from "
-                      "a value stored in their place (pj.compile(remat=True))")
+                      "a value stored in their place (pj.compile(remat=...); default: "
+                      "pipelines only)")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data", default="stdlib",
