@@ -31,14 +31,15 @@ state as one loop (`+roll`, the default, is still accepted). A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
 slices and casts its own); `+taskcast` does so for pipelines only (their default until
 session 20), and `+nounpack` has a pipeline's tasks slice their weights from the cast
-segments instead of reading them unpacked once per step; `+nodistopt` runs ZeRO-1/2 without the distributed
-optimizer (replicated fp32 parameters, all-gathered in fp32 after the update);
-`+nocolsum` sums bias gradients without their own optimization barrier; `+nowidegrad`
-has a pipeline's bf16 weight-gradient GEMMs write bf16 (`regions.WIDE_WEIGHT_GRADS`
-off); `+nocmdbuf` compiles with XLA's own command buffers (`compiler_options={}`), not
-piper-jax's, which run a pipeline's conditionals and loop as CUDA graphs; `+remat`
-compiles with `remat=True` (elementwise residuals recomputed from a value stored in
-their place; pipelines do so by default, `+noremat` turns it off); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
+segments instead of reading them unpacked once per step; `+nodistopt` runs ZeRO-1/2
+without the distributed optimizer (replicated fp32 parameters, all-gathered in fp32
+after the update); `+nocolsum` sums bias gradients without their own optimization
+barrier; `+nowidegrad` has a pipeline's bf16 weight-gradient GEMMs write bf16
+(`regions.WIDE_WEIGHT_GRADS` off); `+nocmdbuf` compiles with XLA's own command buffers
+(`compiler_options={}`), not piper-jax's, which run a pipeline's conditionals and loop
+as CUDA graphs; `+remat` compiles with `remat=True` (elementwise residuals recomputed
+from a value stored in their place; pipelines do so by default, `+noremat` turns it
+off); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
 not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off).
 `+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
@@ -444,6 +445,8 @@ def main(argv=None):
                        + ", ".join("+" + m for m in _SUFFIXES))
     if base in BASELINES and set(mods) - {"bf16", "xla"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16 and +xla")
+    if {"remat", "noremat"} <= set(mods):
+      raise ValueError(f"{v!r}: +remat and +noremat contradict each other; keep one")
     if "xla" in mods and not args.xla_flags:
       raise ValueError(f"{v!r}: +xla runs the variant with --xla-flags added to XLA_FLAGS; "
                        "give --xla-flags")

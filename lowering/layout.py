@@ -127,8 +127,8 @@ class ParamLayout:
   `shared[dtype]`: [n_dp, C_shared].
   """
 
-  # benchmarks/run.py's A/B switches of the choices below: "+nocast" (no pipeline
-  # casts once per step) and "+nounpack" (pipeline tasks slice their weights from the
+  # benchmarks/run.py's A/B switches of the choices below: "+taskcast" (pipeline tasks
+  # cast their own weights) and "+nounpack" (pipeline tasks slice their weights from the
   # cast segments).
   cast_in_pipelines = True
   unpack_in_pipelines = True
@@ -211,8 +211,9 @@ class ParamLayout:
     # A pipeline's cast leaves, unpacked once per step into arrays of their own that
     # every tick's switch passes through: sliced from a packed segment inside a tick,
     # each weight is copied (a memcpy for cuBLAS) by every task reading it, F's and B's:
-    # 2 copies of the stage's weights a tick (run BE). Positions are shared across
-    # ranks by shape (`match_positions`); a rank fills the others' with zeros.
+    # 2 copies of the stage's weights a tick (run BE). The arrays are flat, so ranks
+    # share positions by size (`match_positions`; a GPT's embedding on the first rank
+    # and its head on the last share one); a rank fills the others' with zeros.
     self.unpacked_positions: list[tuple] = []
     self.unpacked_pos: dict[int, int] = {}
     if self.n_pp > 1 and self.zero < 3 and self.unpack_in_pipelines:
@@ -221,9 +222,11 @@ class ParamLayout:
         h = self.home[p]
         if h.slot != SHARED:
           per_rank.setdefault(h.rank, []).append(
-              (p, jax.ShapeDtypeStruct(h.shape, jnp.dtype(self.cast_to[h.dtype]))))
+              (p, jax.ShapeDtypeStruct((h.size,), jnp.dtype(self.cast_to[h.dtype]))))
       self.unpacked_positions, where = match_positions(per_rank)
       self.unpacked_pos = {p: pos for (_, p), pos in where.items()}
+    # Every cast leaf outside SHARED is unpacked, and cast leaves fill slots of their
+    # own: these slots need no cast copy.
     self.unpacked_slots = {(self.home[p].slot, self.home[p].dtype) for p in self.unpacked_pos}
     self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
 
@@ -366,17 +369,22 @@ class ParamLayout:
     return segment[h.offset:h.offset + h.size].reshape(h.shape)
 
   def unpack_cast(self, local: dict) -> list[jax.Array]:
-    """This rank's cast leaves (`unpacked_pos`), sliced from its local buffers (whole
-    segments) and cast; positions of other ranks' leaves hold zeros."""
-    def unpack(rank):
+    """This rank's cast leaves (`unpacked_pos`), flat, sliced from its local buffers
+    (whole segments) and cast; positions of other ranks' leaves hold zeros."""
+    def rank_leaves(rank):
       def run(local):
         out = [jnp.zeros(shape, dt) for shape, dt in self.unpacked_positions]
         for p, pos in self.unpacked_pos.items():
           h = self.home[p]
           if h.rank == rank:
             seg = self.local_segment(local, h.slot, h.dtype)
-            out[pos] = self.leaf(seg, h).astype(self.cast_to[h.dtype])
+            out[pos] = seg[h.offset:h.offset + h.size].astype(self.cast_to[h.dtype])
         return out
       return run
 
-    return lax.switch(lax.axis_index("pp"), [unpack(r) for r in range(self.n_pp)], local)
+    local = {"slots": local["slots"], "shared": local["shared"]}
+    return lax.switch(lax.axis_index("pp"), [rank_leaves(r) for r in range(self.n_pp)], local)
+
+  def unpacked_leaf(self, leaves: list[jax.Array], p: int) -> jax.Array:
+    """Leaf `p` from `unpack_cast`'s arrays, in its shape (a reshape of a flat array)."""
+    return leaves[self.unpacked_pos[p]].reshape(self.home[p].shape)

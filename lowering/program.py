@@ -297,7 +297,8 @@ class Program:
     # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
     # are cast once per step here (under `shards_masters` they arrive gathered in that
     # dtype, and the cast is a no-op), or all-gathered in that dtype per tick under ZeRO-3,
-    # instead of being cast again from fp32 in every task that reads them.
+    # instead of being cast again from fp32 in every task that reads them. A pipeline
+    # also unpacks them once (`ParamLayout.unpack_cast`): ticks read them whole.
     if layout.zero < 3 and layout.cast_to:  # the cast copies of the slots with cast leaves
       cast_slots = layout.cast_slots - layout.unpacked_slots
       params = dict(params, cast={
@@ -586,7 +587,7 @@ class Program:
           return layout.local_piece({"split": ops["split"]}, p)
         h = layout.home[p]
         if p in layout.unpacked_pos:  # (and the model's own cast turns it back)
-          return ops["leaves"][layout.unpacked_pos[p]].astype(h.dtype)
+          return layout.unpacked_leaf(ops["leaves"], p).astype(h.dtype)
         if p in layout.cast:  # the model's own cast of this turns it back into the cast copy
           return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
         return layout.leaf(segment(h.slot, h.dtype, False), h)

@@ -92,7 +92,8 @@ def test_baseline_of_each_variant():
 
 @pytest.mark.parametrize("variant,match", [("jit-dp+ep", "baselines take only \\+bf16"),
                                            ("dp+fast", "unknown suffix"),
-                                           ("pp-1f1b+xla", "give --xla-flags")])
+                                           ("pp-1f1b+xla", "give --xla-flags"),
+                                           ("pp-zb+remat+noremat", "contradict")])
 def test_bad_variants_are_reported_before_running(variant, match):
   sys.path.insert(0, ROOT)
   from benchmarks.run import main

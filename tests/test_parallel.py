@@ -96,8 +96,9 @@ def test_expert_parallel_zero2_bf16_shards_the_masters(monkeypatch):
 def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   # 2 pipeline ranks x 4 devices each; experts split over blocks of 2 of them, the blocks
   # replicate each other (expert data parallel), other parameters are ZeRO-1 over all 4.
-  # DualPipeV runs with remat=True: the regions around the experts store fewer residuals
-  # (28 -> 23 on the first stage) and B remakes the rest.
+  # DualPipeV runs with remat (the pipelines' default): the regions around the experts
+  # store fewer residuals (28 -> 23 on the first stage) and B remakes the rest; 1F1B
+  # runs with remat=False, so that both settings are tested.
   n_stages = 2 if schedule == "1f1b" else 4
   config, loss, params = _moe(n_stages)
   batches_of(config)
