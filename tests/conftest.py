@@ -3,8 +3,13 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+# The tests' programs are small and compile-bound: LLVM's cheapest optimization level
+# for the CPU code takes a fifth off the suite's time (same numbers: it does not change
+# XLA's HLO passes). Test subprocesses inherit it.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+  _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 
