@@ -373,13 +373,14 @@ class ParamLayout:
     (whole segments) and cast; positions of other ranks' leaves hold zeros."""
     def rank_leaves(rank):
       def run(local):
-        out = [jnp.zeros(shape, dt) for shape, dt in self.unpacked_positions]
+        out = [None] * len(self.unpacked_positions)
         for p, pos in self.unpacked_pos.items():
           h = self.home[p]
           if h.rank == rank:
             seg = self.local_segment(local, h.slot, h.dtype)
             out[pos] = seg[h.offset:h.offset + h.size].astype(self.cast_to[h.dtype])
-        return out
+        return [jnp.zeros(shape, dt) if x is None else x
+                for x, (shape, dt) in zip(out, self.unpacked_positions)]
       return run
 
     local = {"slots": local["slots"], "shared": local["shared"]}

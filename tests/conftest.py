@@ -1,13 +1,14 @@
 """Test setup: 8 simulated CPU devices and the single-device reference."""
 
 import os
+import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests' programs are small and compile-bound: the CPU backend's lowest
 # optimization level took the suite from 8m56s to 6m34s, every test passing at its
 # tolerance. Test subprocesses inherit it.
 _flags = os.environ.get("XLA_FLAGS", "")
-if "xla_backend_optimization_level" not in _flags:
+if "xla_backend_optimization_level" not in re.findall(r"--(?:no)?(\w+)", _flags):
   _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
