@@ -15,7 +15,10 @@ the same run: predicted = DP step time x makespan / (work per rank); the JSON's
 data parallel with gradients all-reduced in 25 MB buckets during the backward. `shmap-dp`
 is plain JAX data parallel written with `shard_map` (loss and gradients per device, then
 `pmean`): the fair baseline for MoE models, whose `jit-dp` routes the global batch as
-one group.
+one group. `shmap-accum` is the same with each device's rows split into microbatches of a
+pipeline's size (batch / `--microbatches` rows; `lax.scan` accumulates their gradients,
+then one `pmean`): plain JAX's speed on the kernels a pipeline runs, without a pipeline,
+so a 2-rank pipeline of M microbatches can reach at most M / (M + 1) of it.
 A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
 experts are split over each rank's data-parallel devices. The dense GPT's pipeline
 stages get equal blocks (with cuDNN attention the fastest split measured, run AD); a
@@ -51,7 +54,8 @@ For each: median step time over `--steps` steps after `--warmup`, as a training 
 them (each step called before the previous one's loss is waited for, so the host
 prepares the next step while the GPU runs this one; "blocked ms" is the median with
 the host waiting for each step before calling the next, the step time of sessions
-1-19), tokens/s, MFU
+1-19; "host ms" is how long a step's call takes to return: at or above "step ms", the
+host is the limit), tokens/s, MFU
 (against the dense bf16 peak of the card, `examples.gpt.PEAK_FLOPS`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
 step, plus `pj.compile`'s own tracing and planning, `build_s`, which rows before
@@ -74,7 +78,7 @@ from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BASELINES = ("jit-dp", "gspmd-fsdp", "shmap-dp")
+BASELINES = ("jit-dp", "gspmd-fsdp", "shmap-dp", "shmap-accum")
 PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
          "pp-dualpipev")
 # Which baseline each variant's ratio is taken against.
@@ -202,6 +206,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   four random global batches, and the simulator's prediction for pipelines.
   """
   import jax
+  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -219,19 +224,37 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
   sim = {}
 
-  def train_step(state, b, mean=lambda x: x):
+  def value_and_grad(p, b, accumulate=1):
+    if accumulate == 1:
+      return jax.value_and_grad(loss_fn)(p, b)
+    # Gradient accumulation as a JAX user writes it: scan over microbatches, then average.
+    mbs = jax.tree_util.tree_map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), b)
+    def body(acc, mb):
+      return jax.tree_util.tree_map(jnp.add, acc, jax.value_and_grad(loss_fn)(p, mb)), None
+    first = jax.value_and_grad(loss_fn)(p, jax.tree_util.tree_map(lambda x: x[0], mbs))
+    total, _ = jax.lax.scan(body, first, jax.tree_util.tree_map(lambda x: x[1:], mbs))
+    return jax.tree_util.tree_map(lambda x: x / accumulate, total)
+
+  def train_step(state, b, mean=lambda x: x, accumulate=1):
     p, o = state
-    loss, grads = mean(jax.value_and_grad(loss_fn)(p, b))
+    loss, grads = mean(value_and_grad(p, b, accumulate))
     updates, o = tx.update(grads, o, p)
     return (optax.apply_updates(p, updates), o), loss
 
-  if base == "shmap-dp":
+  if base in ("shmap-dp", "shmap-accum"):
     # Data parallel as a JAX user writes it with shard_map: each device runs the loss
     # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
     from jax import lax
     from piper_jax.lowering.compat import shard_map
     mesh = Mesh(np.array(devices), ("d",))
-    local_step = lambda state, b: train_step(state, b, mean=lambda x: lax.pmean(x, "d"))
+    accumulate = 1
+    if base == "shmap-accum":  # each device's rows in microbatches of batch // microbatches
+      if batch % microbatches or microbatches % n:
+        raise ValueError(f"shmap-accum needs --microbatches ({microbatches}) to divide the "
+                         f"batch ({batch}) and to be a multiple of the devices ({n})")
+      accumulate = microbatches // n
+    local_step = lambda state, b: train_step(state, b, mean=lambda x: lax.pmean(x, "d"),
+                                             accumulate=accumulate)
     call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
                    donate_argnums=0)
     rep_sh = NamedSharding(mesh, P())
@@ -393,13 +416,13 @@ def add_predictions(rows) -> None:
 def table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of result rows; `baseline_of(variant, model)` names the row each ratio
   is against."""
-  head = ("| model | variant | devices | step ms | blocked ms | sim ms | tok/s | vs baseline | MFU "
-          "| peak GiB | compile s |")
-  lines = [head, "|" + "---|" * 11]
+  head = ("| model | variant | devices | step ms | blocked ms | host ms | sim ms | tok/s | vs baseline "
+          "| MFU | peak GiB | compile s |")
+  lines = [head, "|" + "---|" * 12]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | | | | {r['error']} | | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | | | | | {r['error']} | | | | |")
       continue
     name = baseline_of(r["variant"], r["model"])
     b = base.get((r["model"], name))
@@ -408,7 +431,8 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
     peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
     sim = f"{r['sim_ms']:.1f}" if r.get("sim_ms") else "-"
     blocked = f"{r['step_ms_blocked']:.1f}" if r.get("step_ms_blocked") else "-"
-    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | {blocked} | {sim} | "
+    host = f"{r['dispatch_ms']:.1f}" if r.get("dispatch_ms") else "-"
+    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | {blocked} | {host} | {sim} | "
                  f"{r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {mfu} | {peak} | {r['compile_s']:.1f} |")
   return "\n".join(lines)
 

@@ -108,3 +108,25 @@ def test_stage_layers_suffix():
   assert config.stage_layers == (5, 3)
   with pytest.raises(ValueError, match="summing to 8"):
     build("pp-1f1b+L5-4", "tiny", 2, 2)
+
+
+@pytest.mark.timeout(120)
+def test_accumulated_baseline_matches_plain_dp():
+  # shmap-accum scans over microbatches of batch // microbatches rows per device (here
+  # 2 of 2 rows on each of 8 devices) and must train exactly as shmap-dp does.
+  import jax
+  import numpy as np
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  results = {}
+  for variant in ("shmap-dp", "shmap-accum"):
+    call, state, batches, _, _ = run.make_step(variant, "tiny", batch=32, microbatches=16)
+    for b in batches[:2]:
+      state, loss = call(state, b)
+    results[variant] = (float(loss), jax.tree_util.tree_leaves(state[0]))
+  (loss_dp, p_dp), (loss_acc, p_acc) = results["shmap-dp"], results["shmap-accum"]
+  np.testing.assert_allclose(loss_acc, loss_dp, rtol=1e-5)
+  for a, b in zip(p_acc, p_dp):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="shmap-accum needs --microbatches"):
+    run.make_step("shmap-accum", "tiny", batch=32, microbatches=4)
