@@ -54,8 +54,8 @@ For each: median step time over `--steps` steps after `--warmup`, as a training 
 them (each step called before the previous one's loss is waited for, so the host
 prepares the next step while the GPU runs this one; "blocked ms" is the median with
 the host waiting for each step before calling the next, the step time of sessions
-1-19; "host ms" is how long a step's call takes to return: at or above "step ms", the
-host is the limit), tokens/s, MFU
+1-19; "host ms" is how long a step's call takes to return: when it is close to "step
+ms" and "step ms" is no less than "blocked ms", the host is the limit), tokens/s, MFU
 (against the dense bf16 peak of the card, `examples.gpt.PEAK_FLOPS`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
 step, plus `pj.compile`'s own tracing and planning, `build_s`, which rows before
@@ -198,6 +198,28 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   return config, net, directives
 
 
+def accumulated_value_and_grad(loss_fn, accumulate: int):
+  """`jax.value_and_grad(loss_fn)` over `accumulate` equal microbatches of the batch's
+  rows, as a JAX user writes gradient accumulation: `lax.scan`, then the mean."""
+  import jax
+  import jax.numpy as jnp
+  grad_fn = jax.value_and_grad(loss_fn)
+  if accumulate == 1:
+    return grad_fn
+  tree_map = jax.tree_util.tree_map
+
+  def value_and_grad(p, b):
+    mbs = tree_map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), b)
+    # The first microbatch starts the sum, so the carry has the values' own types
+    # (under shard_map, device-varying ones).
+    first = grad_fn(p, tree_map(lambda x: x[0], mbs))
+    body = lambda total, mb: (tree_map(jnp.add, total, grad_fn(p, mb)), None)
+    total, _ = jax.lax.scan(body, first, tree_map(lambda x: x[1:], mbs))
+    return tree_map(lambda x: x / accumulate, total)
+
+  return value_and_grad
+
+
 def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
               zero: int = 0, attention: str | None = None):
   """Builds one variant's training step on this process's devices.
@@ -206,7 +228,6 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   four random global batches, and the simulator's prediction for pipelines.
   """
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -224,20 +245,9 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
   sim = {}
 
-  def value_and_grad(p, b, accumulate=1):
-    if accumulate == 1:
-      return jax.value_and_grad(loss_fn)(p, b)
-    # Gradient accumulation as a JAX user writes it: scan over microbatches, then average.
-    mbs = jax.tree_util.tree_map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), b)
-    def body(acc, mb):
-      return jax.tree_util.tree_map(jnp.add, acc, jax.value_and_grad(loss_fn)(p, mb)), None
-    first = jax.value_and_grad(loss_fn)(p, jax.tree_util.tree_map(lambda x: x[0], mbs))
-    total, _ = jax.lax.scan(body, first, jax.tree_util.tree_map(lambda x: x[1:], mbs))
-    return jax.tree_util.tree_map(lambda x: x / accumulate, total)
-
   def train_step(state, b, mean=lambda x: x, accumulate=1):
     p, o = state
-    loss, grads = mean(value_and_grad(p, b, accumulate))
+    loss, grads = mean(accumulated_value_and_grad(loss_fn, accumulate)(p, b))
     updates, o = tx.update(grads, o, p)
     return (optax.apply_updates(p, updates), o), loss
 

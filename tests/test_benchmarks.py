@@ -112,12 +112,22 @@ def test_stage_layers_suffix():
 
 @pytest.mark.timeout(120)
 def test_accumulated_baseline_matches_plain_dp():
-  # shmap-accum scans over microbatches of batch // microbatches rows per device (here
-  # 2 of 2 rows on each of 8 devices) and must train exactly as shmap-dp does.
+  # shmap-accum's gradient accumulation gives the full batch's loss and gradients, and
+  # the variant (2 microbatches of 2 rows on each of 8 devices) trains as shmap-dp does.
   import jax
   import numpy as np
+  from examples import gpt
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import run
+  net = gpt.GPT(gpt.get_config("tiny"))
+  loss_fn, params = gpt.loss_fn(net), gpt.init_params(net, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(net.config, jax.random.PRNGKey(1), 8)
+  want = jax.value_and_grad(loss_fn)(params, batch)
+  got = jax.jit(run.accumulated_value_and_grad(loss_fn, 4))(params, batch)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+  assert jax.device_count() == 8
   results = {}
   for variant in ("shmap-dp", "shmap-accum"):
     call, state, batches, _, _ = run.make_step(variant, "tiny", batch=32, microbatches=16)
@@ -129,4 +139,4 @@ def test_accumulated_baseline_matches_plain_dp():
   for a, b in zip(p_acc, p_dp):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="shmap-accum needs --microbatches"):
-    run.make_step("shmap-accum", "tiny", batch=32, microbatches=4)
+    run.make_step("shmap-accum", "tiny", batch=32, microbatches=3)
