@@ -113,6 +113,13 @@ class Program:
     self._plan_values()
     self.window = find_window(self) if roll else None
     self._passes: dict[tuple, Any] = {}
+    # XLA's CPU runtime runs independent operations concurrently, in any order, and a
+    # conditional does not count as a collective: a device could enter a tick's switch
+    # (with EP's all_to_all inside) while its peer still waits in the previous tick's
+    # ppermute, and both wait forever. On CPU every tick's switch waits for the
+    # collectives before it (`order_collectives`, set for the platform by `pj.compile`);
+    # GPUs run one program order, where a ppermute may overlap the next tick's work.
+    self.order_collectives = False
 
   def compiler_options(self, platform: str) -> dict:
     """XLA options for this program's step on `platform` (`jax.jit`'s `compiler_options`);
@@ -395,11 +402,12 @@ class Program:
                 "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
     branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
                 for rank in range(plan.n_ranks)]
-    if in_order:
+    if in_order or self.order_collectives:
       # In a rolled loop, a tick that reads a carried value must run before the later
       # tick that makes its successor, or XLA copies the value every iteration (ZB's
       # F-only ticks read nothing of the tick before them): every branch reads the loss
-      # so far (an optimization barrier around the operands does not survive XLA).
+      # so far (an optimization barrier around the operands does not survive XLA). Under
+      # `order_collectives` the loss also depends on the collectives before this tick.
       operands["after"] = st.loss
     keep, rounds, grads, tick_loss = self._switch(branches, operands)
     st.loss = st.loss + tick_loss
@@ -407,13 +415,14 @@ class Program:
       st.arrays[("keep", tick_i, pos)] = x
     for ri, ((rnd, _, _), payload) in enumerate(zip(info["rounds"], rounds)):
       for pos, x in enumerate(payload):
-        st.arrays[("recv", tick_i, ri, pos)] = lax.ppermute(x, "pp", perm=rnd)
+        st.arrays[("recv", tick_i, ri, pos)] = self._before_next_tick(
+            st, lax.ppermute(x, "pp", perm=rnd))
     for pos in [p for p in grads if p >= self.split_grad0]:
       st.split_acc[pos] = grads.pop(pos)
     if zero >= 2 and grads:
       for key, x in self._assemble(grads, self.reduce_dtype, materialize=True).items():
         x = self._grad_collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
-        x = x.astype(key[1])
+        x = self._before_next_tick(st, x).astype(key[1])
         st.acc[key] = st.acc[key] + x if key in st.acc else x
     else:
       st.acc.update(grads)
@@ -422,7 +431,14 @@ class Program:
         # can overlap with the backward work that follows.
         summed = self._grad_collective(lax.psum, tuple(st.acc[p] for p in bucket), axes,
                                        keep_dtype=False)
-        st.acc.update(zip(bucket, summed))
+        st.acc.update(zip(bucket, (self._before_next_tick(st, x) for x in summed)))
+
+  def _before_next_tick(self, st: "_State", x: jax.Array) -> jax.Array:
+    """x, a collective's result; under `order_collectives` the next tick's switch waits
+    for it (the loss, which the switch reads, adds exactly 0: isfinite is 0 or 1)."""
+    if self.order_collectives and x.size:
+      st.loss = st.loss + 0 * jnp.isfinite(x.reshape(-1)[0]).astype(st.loss.dtype)
+    return x
 
   def _loop(self, w: Window, st: "_State", params: dict, batch: list):
     """Ticks [w.start, w.stop) as a `lax.fori_loop` over the first `w.length` of them."""

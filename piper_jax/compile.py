@@ -142,8 +142,9 @@ class TrainStep:
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
 
+    device = self.devices[0]
+    self._program.order_collectives = device.platform == "cpu"
     if compiler_options is None:
-      device = self.devices[0]
       rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
       compiler_options = self._program.compiler_options("rocm" if rocm else device.platform)
     self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import optax
+from jax.extend.core import Jaxpr, Var
 
 import piper_jax as pj
 from examples import gpt, moe
@@ -243,3 +244,54 @@ def test_rolled_pp2_x_ep2(batches_of):
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
   step, _ = assert_same_run(loss, params, directives, batch_size=32, tx=MOE_TX, roll=True)
   assert step.rolled is not None and step.rolled.iters >= 2
+
+
+def _ancestors(jaxpr, i):
+  """Indices of the equations whose outputs equation i of `jaxpr` depends on."""
+  made_by = {v: j for j, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  seen, todo = set(), [i]
+  while todo:
+    for v in jaxpr.eqns[todo.pop()].invars:
+      j = made_by.get(v) if isinstance(v, Var) else None
+      if j is not None and j not in seen:
+        seen.add(j)
+        todo.append(j)
+  return seen
+
+
+def test_cpu_ticks_wait_for_the_collectives_before_them(monkeypatch):
+  # XLA's CPU runtime runs independent operations in any order, and a conditional holding
+  # EP's all_to_all does not count as a collective: a device entering tick t+1's switch
+  # while its peer waited in tick t's ppermute hung DualPipeV x EP x ZeRO-1 with the
+  # weights sliced per task (3 of 7 runs). On CPU every switch waits for every
+  # collective before it.
+  from piper_jax.lowering.layout import ParamLayout
+  monkeypatch.setattr(ParamLayout, "unpack_in_pipelines", False)  # the case that hung
+  config, loss, params = _moe(4)
+  batch = gpt.random_batch(config, jax.random.PRNGKey(0), 16, pattern_seed=1)
+  directives = pj.strategies.pipeline(4, 4, "dualpipev", dp=4, zero=1)
+  directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
+
+  def shard_map_body(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "shard_map":
+        return e.params["jaxpr"]
+      for inner in e.params.values():
+        inner = getattr(inner, "jaxpr", inner)
+        if isinstance(inner, Jaxpr) and (found := shard_map_body(inner)):
+          return found
+
+  def unordered(order):
+    step = pj.compile(loss, MOE_TX, directives, params, batch, roll=False)
+    assert step._program.order_collectives  # the CPU platform
+    step._program.order_collectives = order  # False: as on GPUs, where a ppermute may
+    state = step.init(params)                # run beside the next tick's work
+    body = shard_map_body(jax.make_jaxpr(step._step)(state, step._batch_leaves(batch)).jaxpr)
+    eqns = [e.primitive.name for e in body.eqns]
+    conds = [i for i, n in enumerate(eqns) if n == "cond"]
+    permutes = [i for i, n in enumerate(eqns) if n == "ppermute"]
+    assert len(conds) > 4 and permutes
+    return [(c, p) for c in conds for p in permutes if p < c and p not in _ancestors(body, c)]
+
+  assert unordered(True) == []
+  assert unordered(False)
