@@ -15,10 +15,11 @@ the same run: predicted = DP step time x makespan / (work per rank); the JSON's
 data parallel with gradients all-reduced in 25 MB buckets during the backward. `shmap-dp`
 is plain JAX data parallel written with `shard_map` (loss and gradients per device, then
 `pmean`): the fair baseline for MoE models, whose `jit-dp` routes the global batch as
-one group. `shmap-accum` is the same with each device's rows split into microbatches of a
-pipeline's size (batch / `--microbatches` rows; `lax.scan` accumulates their gradients,
-then one `pmean`): plain JAX's speed on the kernels a pipeline runs, without a pipeline,
-so a 2-rank pipeline of M microbatches can reach at most M / (M + 1) of it.
+one group. `shmap-accum` is the same with each device's rows split into `--microbatches`
+/ `--pp` microbatches, so that a device runs as many rows at a time as a device of a
+`--pp`-rank pipeline does in one task (`lax.scan` accumulates their gradients, then one
+`pmean`): plain JAX's speed on the kernels a pipeline runs, without a pipeline, of which
+a 1F1B pipeline of M microbatches on P ranks can reach at most M / (M + P - 1).
 A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
 experts are split over each rank's data-parallel devices. The dense GPT's pipeline
 stages get equal blocks (with cuDNN attention the fastest split measured, run AD); a
@@ -258,11 +259,12 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     from piper_jax.lowering.compat import shard_map
     mesh = Mesh(np.array(devices), ("d",))
     accumulate = 1
-    if base == "shmap-accum":  # each device's rows in microbatches of batch // microbatches
-      if batch % microbatches or microbatches % n:
-        raise ValueError(f"shmap-accum needs --microbatches ({microbatches}) to divide the "
-                         f"batch ({batch}) and to be a multiple of the devices ({n})")
-      accumulate = microbatches // n
+    if base == "shmap-accum":  # a pipeline device's rows per task at a time
+      accumulate = microbatches // pp
+      if microbatches % pp or batch % n or (batch // n) % accumulate:
+        raise ValueError(
+            f"shmap-accum splits each device's {batch}/{n} rows into --microbatches / --pp "
+            f"= {microbatches}/{pp} microbatches: pick numbers that divide evenly")
     local_step = lambda state, b: train_step(state, b, mean=lambda x: lax.pmean(x, "d"),
                                              accumulate=accumulate)
     call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
