@@ -44,7 +44,9 @@ barrier; `+nowidegrad` has a pipeline's bf16 weight-gradient GEMMs write bf16
 as CUDA graphs; `+remat` compiles with `remat=True` (elementwise residuals recomputed
 from a value stored in their place; pipelines do so by default, `+noremat` turns it
 off); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
-not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off).
+not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off); `+deeproll`
+lets the rolled loop carry values up to 4 iterations (`rolling.MAX_CARRY_DEPTH`), so that
+DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
 `+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
 update mode and the allocator it needs), beside the same variant without them.
@@ -86,7 +88,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "taskcast", "nounpack",
-             "nodistopt", "nocolsum",
+             "nodistopt", "nocolsum", "deeproll",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -291,7 +293,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
-    from piper_jax.lowering import regions
+    from piper_jax.lowering import regions, rolling
     from piper_jax.lowering.layout import ParamLayout
     from piper_jax.lowering.trace import TracedLoss
     # For A/B runs: "+nocast", weights sliced and cast by every task, not once per step;
@@ -316,6 +318,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
         patches.enter_context(mock.patch.object(regions, "SLIM_CARRY", False))
       if "nowidegrad" in mods:
         patches.enter_context(mock.patch.object(regions, "WIDE_WEIGHT_GRADS", False))
+      if "deeproll" in mods:
+        patches.enter_context(mock.patch.object(rolling, "MAX_CARRY_DEPTH", 4))
       t0 = time.perf_counter()
       call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="noroll" not in mods,
                         compiler_options={} if "nocmdbuf" in mods else None,

@@ -19,6 +19,11 @@ then sees those ticks once instead of `iters` times):
 * the ticks after the loop read only the last iteration's values (`carry` shifted,
   and `exits`).
 
+Where no such window exists, one whose values are read up to `MAX_CARRY_DEPTH`
+iterations after they are made may be: the carry then holds a value for each iteration
+back, passed one slot deeper each iteration, and the ticks after the loop may read
+the values of as many last iterations.
+
 Value locations are `Program.loc`'s: ("keep", tick, pos) or ("recv", tick, round, pos).
 """
 
@@ -28,6 +33,13 @@ import dataclasses
 from typing import Any
 
 __all__ = ["Window", "find_window", "shift_loc"]
+
+# How many iterations back a loop may carry a value when no loop carries values for
+# one iteration only (each deeper slot is a copy per iteration). 1 keeps the loops
+# measured on GPUs; GPipe-like stretches of 2-stage-a-rank schedules (DualPipeV and
+# interleaved on 2 ranks with 8 microbatches) roll only from 2 on. Not yet measured
+# on GPUs: `benchmarks/run.py`'s `+deeproll` sets 4.
+MAX_CARRY_DEPTH = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +121,7 @@ def _same_reads(prog: Any, reads: list, t: int, u: int, mbs: int) -> bool:
 
 
 def _fit(prog: Any, reads: list, far: list, start: int, end: int, period: int, mbs: int,
-         regular: int, min_iters: int) -> Window | None:
+         regular: int, min_iters: int, depth: int = 1) -> Window | None:
   """The loop over ticks [start, end) that removes the most ticks; they repeat every
   `period` ticks with `mbs` microbatches' shift and read regularly from tick `regular`.
   `reads[t]` and `far[t]` are `_reads` and `_farthest` of tick t."""
@@ -117,13 +129,14 @@ def _fit(prog: Any, reads: list, far: list, start: int, end: int, period: int, m
   for length in range(period, (end - start) // min_iters + 1, period):
     if start + length < regular:
       continue  # the second iteration's reads would not repeat
-    if max(far[start + length:end], default=0) >= length:
+    if max(far[start + length:end], default=0) >= length * depth:
       # A value read `length` ticks after it is made would be read by the tick that
       # makes its successor, one switch reading the carried buffer and writing the
       # new value, which XLA then copies into it every iteration; farther, it would
-      # cross more than one iteration.
+      # cross more than one iteration (`depth` > 1 allows that, a copy per iteration
+      # and slot).
       continue
-    w = _loop_of(prog, reads, start, end, length, mbs * length // period, min_iters)
+    w = _loop_of(prog, reads, start, end, length, mbs * length // period, min_iters, depth)
     if w and (best is None or _saved(w) > _saved(best)):
       best = w
   return best
@@ -133,42 +146,79 @@ def _saved(w: Window) -> int:
   return (w.iters - 1) * w.length
 
 
+def _carried(prog: Any, reads: list, start: int, length: int, shift: int, iters: int,
+             depth: int) -> tuple[dict, dict] | None:
+  """(body, entry) of a loop of `iters` iterations over ticks [start, start + length):
+  where the body reads each value, and per carried location what each rank's first
+  iteration finds there; None if the reads do not repeat or reach more than `depth`
+  iterations back."""
+  body, entry = {}, {}
+  for t in range(start, start + length):
+    for key, rank, real in reads[t]:
+      nxt = prog.loc.get((_shift_key(key, shift), rank))
+      if (real is None) != (nxt is None):
+        return None
+      if real is None:
+        continue
+      loc = body[(key, rank)] = shift_loc(nxt, -length)
+      if loc[1] >= start:
+        if loc != real:  # made inside the first iteration, so where the body makes it
+          return None
+        continue
+      back = -((loc[1] - start) // length)  # made `back` iterations before
+      made = shift_loc(loc, back * length)  # where the body makes it
+      if back > depth or prog.loc.get((_shift_key(key, back * shift), rank)) != made:
+        return None  # the value `back` iterations later must be the one made here
+      for k in range(1, back + 1):
+        # The carry holds the values of the last `back` iterations, one slot deeper each
+        # iteration; in the first, slot k holds what iteration back - k reads here.
+        first = prog.loc.get((_shift_key(key, (back - k) * shift), rank))
+        if (first is None or first[1] >= start
+            or prog._loc_signature(first) != prog._loc_signature(made)):
+          return None
+        if entry.setdefault(shift_loc(made, -k * length), {}).setdefault(rank, first) != first:
+          return None
+  return body, entry
+
+
 def _loop_of(prog: Any, reads: list, start: int, end: int, length: int, shift: int,
-             min_iters: int) -> Window | None:
+             min_iters: int, depth: int = 1) -> Window | None:
   """The most iterations of ticks [start, start + length) within [start, end)."""
   for iters in range((end - start) // length, min_iters - 1, -1):
     stop = start + iters * length
+    found = _carried(prog, reads, start, length, shift, iters, depth)
+    if found is None:
+      continue
+    body, entry = found
+    carry = sorted(entry, key=str)
+    after = {shift_loc(loc, iters * length) for loc in carry}  # the carry's last values
     later = {loc for t in range(stop, len(reads)) for _, _, loc in reads[t]
              if loc is not None and start <= loc[1] < stop}
-    if any(loc[1] < stop - length for loc in later):
+    if any(loc[1] < stop - length and loc not in after for loc in later):
       continue  # a value of an earlier iteration is read after the loop
-    body, entry = {}, {}
-    for t in range(start, start + length):
-      for key, rank, real in reads[t]:
-        nxt = prog.loc.get((_shift_key(key, shift), rank))
-        if (real is None) != (nxt is None):
-          return None
-        if real is None:
-          continue
-        loc = body[(key, rank)] = shift_loc(nxt, -length)
-        if loc[1] >= start:
-          if loc != real:  # made inside the first iteration, so where the body makes it
-            return None
-        elif real[1] >= start or prog._loc_signature(real) != prog._loc_signature(nxt):
-          return None
-        else:
-          entry.setdefault(loc, {})[rank] = real
-    carry = sorted(entry, key=str)
     carried = {shift_loc(loc, length) for loc in carry}
-    exits = sorted({shift_loc(loc, -(iters - 1) * length) for loc in later} - carried, key=str)
+    exits = sorted({shift_loc(loc, -(iters - 1) * length) for loc in later
+                    if loc[1] >= stop - length} - carried, key=str)
     return Window(start, length, iters, shift, tuple(sorted(body.items(), key=str)),
                   tuple(carry), tuple(tuple(sorted(entry[loc].items())) for loc in carry),
                   tuple(exits))
   return None
 
 
-def find_window(prog: Any, min_iters: int = 2, max_period: int = 4) -> Window | None:
-  """The steady-state window that removes the most ticks from the unrolled program."""
+def find_window(prog: Any, min_iters: int = 2, max_period: int = 4,
+                max_depth: int | None = None) -> Window | None:
+  """The steady-state window that removes the most ticks from the unrolled program: one
+  whose values live less than an iteration if there is one, else one that carries
+  values up to `max_depth` (default `MAX_CARRY_DEPTH`) iterations, copied one slot
+  deeper each iteration."""
+  for depth in range(1, (max_depth or MAX_CARRY_DEPTH) + 1):
+    w = _find_window(prog, min_iters, max_period, depth)
+    if w is not None:
+      return w
+  return None
+
+
+def _find_window(prog: Any, min_iters: int, max_period: int, depth: int) -> Window | None:
   n = len(prog.plan.ticks)
   reads = [_reads(prog, t) for t in range(n)]
   far = [_farthest(r, t) for t, r in enumerate(reads)]
@@ -187,7 +237,8 @@ def find_window(prog: Any, min_iters: int = 2, max_period: int = 4) -> Window | 
       while regular > t and _same_reads(prog, reads, regular - 1, regular - 1 + period, mbs):
         regular -= 1
       for start in range(t, regular + 1):
-        w = _fit(prog, reads, far, start, e + period + 1, period, mbs, regular, min_iters)
+        w = _fit(prog, reads, far, start, e + period + 1, period, mbs, regular, min_iters,
+                 depth)
         if w and (best is None or _saved(w) > _saved(best)):
           best = w
       t = e + 1

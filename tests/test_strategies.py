@@ -275,6 +275,22 @@ def test_rolled_steady_state(schedule, stages, dp, zero, tied):
   assert "while" in step.lower(state, _batch(16 * dp)).as_text()
 
 
+@pytest.mark.parametrize("schedule,dp,zero", [("dualpipev", 1, 0), ("dualpipev", 2, 1)])
+def test_rolled_values_carried_over_iterations(schedule, dp, zero, monkeypatch):
+  # With 2 stages a rank and 8 microbatches on 2 ranks, a first stage's residuals are
+  # read by its B more than one loop body later: the loop carries them as many
+  # iterations (a slot deeper each iteration), with the same numbers as unrolled.
+  from piper_jax.lowering import rolling
+  monkeypatch.setattr(rolling, "MAX_CARRY_DEPTH", 4)
+  loss, params = _mlp(4)
+  directives = pj.strategies.pipeline(4, 8, schedule, dp=dp, zero=zero)
+  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp)
+  w = step.rolled
+  assert w is not None and w.iters >= 2, w
+  assert min(loc[1] for loc in w.carry) < w.start - w.length  # two iterations back
+  assert "while" in step.lower(state, _batch(16 * dp)).as_text()
+
+
 @pytest.mark.parametrize("schedule,stages,dp,zero", [("1f1b", 4, 2, 3), ("zb", 2, 2, 2)])
 def test_unrolled(schedule, stages, dp, zero):
   # compile(roll=False): every tick inlined, no loop, the same numbers.
