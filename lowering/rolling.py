@@ -35,10 +35,11 @@ from typing import Any
 __all__ = ["Window", "find_window", "shift_loc"]
 
 # How many iterations back a loop may carry a value when no loop carries values for
-# one iteration only (each deeper slot is a copy per iteration). 1 keeps the loops
-# measured on GPUs; GPipe-like stretches of 2-stage-a-rank schedules (DualPipeV and
-# interleaved on 2 ranks with 8 microbatches) roll only from 2 on. Not yet measured
-# on GPUs: `benchmarks/run.py`'s `+deeproll` sets 4.
+# one iteration only (each deeper slot is a copy per iteration; from 2 on, a body may
+# also read a carried value in the tick that makes its successor, another copy). 1
+# keeps the loops measured on GPUs; DualPipeV and interleaved on 2 ranks with 8
+# microbatches roll from 2 on. Not yet measured on GPUs: `benchmarks/run.py`'s
+# `+deeproll` sets 4.
 MAX_CARRY_DEPTH = 1
 
 
@@ -51,7 +52,8 @@ class Window:
   iters: int
   mb_shift: int                 # microbatch shift from one iteration to the next
   reads: tuple[tuple, ...]      # ((value key, rank), location) of the body's reads
-  carry: tuple[tuple, ...]      # body read locations before `start`: the previous iteration's
+  carry: tuple[tuple, ...]      # body read locations before `start`: earlier iterations' values
+                                # (k lengths before the tick that makes one: k iterations back)
   entry: tuple[tuple, ...]      # per carry location, ((rank, location), ...) of the first
                                 # iteration's reads (ranks may find it in different places)
   exits: tuple[tuple, ...]      # more body locations whose last values the later ticks read
@@ -167,8 +169,11 @@ def _carried(prog: Any, reads: list, start: int, length: int, shift: int, iters:
         continue
       back = -((loc[1] - start) // length)  # made `back` iterations before
       made = shift_loc(loc, back * length)  # where the body makes it
-      if back > depth or prog.loc.get((_shift_key(key, back * shift), rank)) != made:
-        return None  # the value `back` iterations later must be the one made here
+      if back > min(depth, iters) or prog.loc.get((_shift_key(key, back * shift), rank)) != made:
+        # The value `back` iterations later must be the one made here; and a slot
+        # deeper than the loop's iterations would come out of it as a value of a tick
+        # before the loop.
+        return None
       for k in range(1, back + 1):
         # The carry holds the values of the last `back` iterations, one slot deeper each
         # iteration; in the first, slot k holds what iteration back - k reads here.
@@ -211,7 +216,7 @@ def find_window(prog: Any, min_iters: int = 2, max_period: int = 4,
   whose values live less than an iteration if there is one, else one that carries
   values up to `max_depth` (default `MAX_CARRY_DEPTH`) iterations, copied one slot
   deeper each iteration."""
-  for depth in range(1, (max_depth or MAX_CARRY_DEPTH) + 1):
+  for depth in range(1, (MAX_CARRY_DEPTH if max_depth is None else max_depth) + 1):
     w = _find_window(prog, min_iters, max_period, depth)
     if w is not None:
       return w
