@@ -89,7 +89,7 @@ class Program:
   """The per-tick lowering of a plan; `body` is the shard_map body of one step."""
 
   def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout, roll: bool = False,
-               remat: bool = False):
+               remat: bool = False, order_collectives: bool = False):
     self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
     self.model = runner.spec
     mesh = plan.mesh
@@ -117,9 +117,9 @@ class Program:
     # conditional does not count as a collective: a device could enter a tick's switch
     # (with EP's all_to_all inside) while its peer still waits in the previous tick's
     # ppermute, and both wait forever. On CPU every tick's switch waits for the
-    # collectives before it (`order_collectives`, set for the platform by `pj.compile`);
+    # collectives before it (`order_collectives`, which `pj.compile` sets on CPU);
     # GPUs run one program order, where a ppermute may overlap the next tick's work.
-    self.order_collectives = False
+    self.order_collectives = order_collectives
 
   def compiler_options(self, platform: str) -> dict:
     """XLA options for this program's step on `platform` (`jax.jit`'s `compiler_options`);

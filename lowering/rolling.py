@@ -216,17 +216,19 @@ def find_window(prog: Any, min_iters: int = 2, max_period: int = 4,
   whose values live less than an iteration if there is one, else one that carries
   values up to `max_depth` (default `MAX_CARRY_DEPTH`) iterations, copied one slot
   deeper each iteration."""
+  n = len(prog.plan.ticks)
+  reads = [_reads(prog, t) for t in range(n)]
+  far = [_farthest(r, t) for t, r in enumerate(reads)]
   for depth in range(1, (MAX_CARRY_DEPTH if max_depth is None else max_depth) + 1):
-    w = _find_window(prog, min_iters, max_period, depth)
+    w = _find_window(prog, reads, far, min_iters, max_period, depth)
     if w is not None:
       return w
   return None
 
 
-def _find_window(prog: Any, min_iters: int, max_period: int, depth: int) -> Window | None:
-  n = len(prog.plan.ticks)
-  reads = [_reads(prog, t) for t in range(n)]
-  far = [_farthest(r, t) for t, r in enumerate(reads)]
+def _find_window(prog: Any, reads: list, far: list, min_iters: int, max_period: int,
+                 depth: int) -> Window | None:
+  n = len(reads)
   best = None
   for period in range(1, max_period + 1):
     t = 0

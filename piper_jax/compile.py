@@ -106,7 +106,8 @@ class TrainStep:
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
     runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
     remat = pm.n_pp > 1 if remat is None else remat
-    self._program = Program(runner, plan, layout, roll=roll, remat=remat)
+    self._program = Program(runner, plan, layout, roll=roll, remat=remat,
+                            order_collectives=self.devices[0].platform == "cpu")
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
     zero = pm.zero
@@ -142,9 +143,8 @@ class TrainStep:
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
 
-    device = self.devices[0]
-    self._program.order_collectives = device.platform == "cpu"
     if compiler_options is None:
+      device = self.devices[0]
       rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
       compiler_options = self._program.compiler_options("rocm" if rocm else device.platform)
     self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
