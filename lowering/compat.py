@@ -7,14 +7,14 @@ from typing import Any, Sequence
 
 import jax
 
-__all__ = ["shard_map", "bind", "eval_eqns", "name_stack", "read", "Literal", "Var"]
+__all__ = ["shard_map", "bind", "eval_eqns", "name_stack", "read", "ClosedJaxpr", "Jaxpr", "Literal", "Var"]
 
 try:  # jax >= 0.7
   shard_map = jax.shard_map
 except AttributeError:  # pragma: no cover
   from jax.experimental.shard_map import shard_map  # type: ignore
 
-from jax.extend.core import Literal, Var  # noqa: E402
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var  # noqa: E402
 
 try:
   from jax._src import source_info_util as _source_info

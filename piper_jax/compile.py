@@ -15,6 +15,7 @@ from piper_jax.ir.plan import Plan
 from piper_jax.lowering import compat
 from piper_jax.lowering.layout import ParamLayout
 from piper_jax.lowering.local import RegionRunner, SplitAxis
+from piper_jax.lowering.optimizer import packed_update_reason
 from piper_jax.lowering.program import Program
 from piper_jax.lowering.trace import trace_loss
 
@@ -124,15 +125,25 @@ class TrainStep:
     to_sharding = lambda specs: jax.tree_util.tree_map(
         lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     self._param_shardings = to_sharding(param_specs)
-    shapes = layout.shapes()
-    opt_shapes = jax.eval_shape(optimizer.init, shapes)
-    # Optimizer state leaves shaped like a parameter buffer are partitioned like
-    # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
-    opt_spec_of = {}
-    for s, spec in zip(jax.tree_util.tree_leaves(shapes),
-                       jax.tree_util.tree_leaves(grad_specs, is_leaf=lambda x: isinstance(x, P))):
-      opt_spec_of.setdefault(s.shape, spec)
-    opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()), opt_shapes)
+    # The optimizer updates the packed buffers when it treats every element alike;
+    # otherwise (masks, per-leaf labels, factored or matrix updates) whole leaves.
+    param_shapes = jax.tree_util.tree_unflatten(traced.param_tree, [x for _, x in traced.param_leaves])
+    self.leaf_update: str | None = packed_update_reason(optimizer, param_shapes)
+    if self.leaf_update is None:
+      shapes = layout.shapes()
+      self._opt_shapes = jax.eval_shape(optimizer.init, shapes)
+      # Optimizer state leaves shaped like a parameter buffer are partitioned like
+      # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
+      opt_spec_of = {}
+      for s, spec in zip(jax.tree_util.tree_leaves(shapes),
+                         jax.tree_util.tree_leaves(grad_specs, is_leaf=lambda x: isinstance(x, P))):
+        opt_spec_of.setdefault(s.shape, spec)
+      opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()),
+                                         self._opt_shapes)
+    else:
+      # Whole leaves' state is spread over all the step's devices, leaf by leaf.
+      self._opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+      opt_specs = jax.tree_util.tree_map(lambda s: self._spread_spec(s.shape), self._opt_shapes)
     self._opt_shardings = to_sharding(opt_specs)
     self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
     self._batch_sharding = NamedSharding(self.mesh, batch_spec)
@@ -140,8 +151,16 @@ class TrainStep:
 
     def step_fn(state: TrainState, batch: list):
       grads, loss = body(state.params, batch)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
+      if self.leaf_update is None:
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
+      spread = self._canonical_shardings()
+      as_tree = lambda buffers: jax.tree_util.tree_unflatten(traced.param_tree, [
+          jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(layout.unpack(buffers), spread)])
+      params = as_tree(state.params)
+      updates, opt_state = optimizer.update(as_tree(grads), state.opt_state, params)
+      params = optax.apply_updates(params, updates)
+      return TrainState(layout.pack(jax.tree_util.tree_leaves(params)), opt_state, self), loss
 
     if compiler_options is None:
       device = self.devices[0]
@@ -164,8 +183,13 @@ class TrainStep:
     if tree != self._traced.param_tree:
       raise ValueError(f"params have structure {tree}, but the step was compiled for "
                        f"{self._traced.param_tree}")
-    buffers = self._pack(self._onto_mesh(leaves))
-    return TrainState(buffers, self._opt_init(buffers), self)
+    # Checked here: packing would fail inside JAX with no name, or cast silently.
+    self._traced.check_params(leaves)
+    leaves = self._onto_mesh(leaves)
+    buffers = self._pack(leaves)
+    if self.leaf_update is None:
+      return TrainState(buffers, self._opt_init(buffers), self)
+    return TrainState(buffers, self._opt_init(jax.tree_util.tree_unflatten(tree, leaves)), self)
 
   def _onto_mesh(self, leaves: list) -> list:
     """Leaves placed on other devices than the step's (say, on one device by
@@ -179,24 +203,26 @@ class TrainStep:
 
   def _batch_leaves(self, batch) -> list:
     """Batch leaves as global arrays; with several processes, host data is this process's rows."""
-    leaves, tree = jax.tree_util.tree_flatten(batch)
+    paths, tree = jax.tree_util.tree_flatten_with_path(batch)
     if tree != self._traced.batch_tree:
       raise ValueError(f"batch has structure {tree}, but the step was compiled for "
                        f"{self._traced.batch_tree}")
     n_proc = jax.process_count()
     out = []
-    for x, spec in zip(leaves, self._traced.spec.batch):
+    for (path, x), spec in zip(paths, self._traced.spec.batch):
+      name = f"batch{jax.tree_util.keystr(path)}"
+      self._traced.check_leaf(name, x, spec.dtype, traced_from="the example batch's")
       want = (self.batch_size,) + spec.shape[1:]
       if n_proc > 1 and not (isinstance(x, jax.Array) and tuple(x.shape) == want):
         local = (self.batch_size // n_proc,) + spec.shape[1:]
         if tuple(np.shape(x)) != local:
-          raise ValueError(f"batch leaf {spec.name!r} has shape {tuple(np.shape(x))}: with "
+          raise ValueError(f"{name} has shape {tuple(np.shape(x))}: with "
                            f"{n_proc} processes pass this process's {local[0]} rows, shape "
                            f"{local}, or a global jax.Array of shape {want}")
         x = jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(x), want)
       elif tuple(np.shape(x)) != want:
-        raise ValueError(f"batch leaf {spec.name!r} has shape {tuple(np.shape(x))}, the step "
-                         f"was compiled for {want}")
+        raise ValueError(f"{name} has shape {tuple(np.shape(x))}, but the step was compiled "
+                         f"for {want} (the example batch's)")
       out.append(x)
     return out
 
@@ -224,14 +250,15 @@ class TrainStep:
     """Per parameter leaf: sharded over all the step's devices along its first dimension
     that divides evenly (replicated when none does), so that each process holds and
     writes only its part of a checkpoint."""
+    return [NamedSharding(self.mesh, self._spread_spec(np.shape(x)))
+            for _, x in self._traced.param_leaves]
+
+  def _spread_spec(self, shape: tuple) -> P:
+    """An array sharded over all the step's devices along its first dimension that
+    divides evenly, or replicated when none does."""
     n = self.mesh.devices.size
-    out = []
-    for _, x in self._traced.param_leaves:
-      shape = np.shape(x)
-      axis = next((i for i, d in enumerate(shape) if d % n == 0), None)
-      spec = P() if axis is None else P(*([None] * axis + [tuple(self.mesh.axis_names)]))
-      out.append(NamedSharding(self.mesh, spec))
-    return out
+    axis = next((i for i, d in enumerate(shape) if d % n == 0), None)
+    return P() if axis is None else P(*([None] * axis + [tuple(self.mesh.axis_names)]))
 
   def canonical(self, state: TrainState) -> dict:
     """`{"params": ..., "opt_state": ...}` in the user's pytree layout, whatever the strategy.
@@ -266,9 +293,9 @@ class TrainStep:
     params = jax.tree_util.tree_unflatten(
         self._traced.param_tree,
         [sds(x, sh) for (_, x), sh in zip(self._traced.param_leaves, self._canonical_shardings())])
-    opt_shapes = jax.eval_shape(self.optimizer.init, self._layout.shapes())
-    opt = jax.tree_util.tree_map(lambda b: params if _is_buffers(b) else sds(b, replicated),
-                                 opt_shapes, is_leaf=_is_buffers)
+    opt = jax.tree_util.tree_map(
+        lambda b, sh: params if _is_buffers(b) else sds(b, replicated if b.ndim == 0 else sh),
+        self._opt_shapes, self._opt_shardings, is_leaf=_is_buffers)
     return {"params": params, "opt_state": opt}
 
 
