@@ -6,7 +6,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from piper_jax.ir.directives import Directive
-from piper_jax.ir.errors import DirectiveError, PlanError
+from piper_jax.ir.errors import DirectiveError
 from piper_jax.ir.graph import Graph, NodeKind
 
 __all__ = ["MeshSpec", "derive_mesh"]
@@ -103,10 +103,12 @@ def derive_mesh(graph: Graph, placed_by: Mapping[str, int], directives: Sequence
     if n.kind not in (NodeKind.COMPUTE, NodeKind.UPDATE):
       continue
     if n.devices is None:
-      tags = dict(n.tags) or {}
-      raise PlanError(
+      # No directive is at fault, so none is named: the message says which one to add.
+      tags = dict(n.tags)
+      raise DirectiveError(
           f"region {n.region} ({tags or 'the whole model'}) has an unplaced node {n.label}: "
-          f"add a place or replicate directive whose filter matches {tags}")
+          f"no place or replicate directive matches it; add one whose filter matches "
+          f"{tags}, such as pj.place({tags}, [0])")
     g = region_group.setdefault(n.region, n.devices)
     if g != n.devices:
       raise err(n.id, f"puts node {n.label} on {list(n.devices)} but other nodes of region "

@@ -136,6 +136,12 @@ _SUBJAXPR = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core
 _ALONG_AXIS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
                "cumlogsumexp": "axis", "sort": "dimension", "argsort": "dimension"}
 _REDUCE_PARTIAL = {"reduce_sum": lax.psum, "reduce_max": lax.pmax, "reduce_min": lax.pmin}
+# Primitives whose result has the shape of an operand but mixes values along dimensions
+# (so the elementwise rule would run them on each piece alone and be wrong).
+_NOT_ELEMENTWISE = frozenset({
+    "dynamic_update_slice", "fft", "reduce_window", "reduce_window_sum", "reduce_window_max",
+    "reduce_window_min", "cholesky", "triangular_solve", "conv_general_dilated", "cond", "while",
+    "scan", "custom_linear_solve", "select_and_scatter_add", "select_and_gather_add"})
 
 
 class _Eval:
@@ -145,8 +151,13 @@ class _Eval:
     self.axis, self.where = axis, where
     self.split: dict[Any, frozenset] = {}
 
-  def error(self, eqn, msg: str) -> SplitError:
-    return SplitError(f"{self.where}: `{eqn.primitive.name}` {msg}")
+  def error(self, eqn, msg: str, fix: str | None = None) -> SplitError:
+    if fix is None:
+      fix = ("experts must not mix inside an EP region: do this outside it, in the region "
+             "around it" if self.axis.kind == "ep" else
+             "apply it along a dimension that is not split, or move it out of the shard_tensor "
+             "region")
+    return SplitError(f"{self.where}: `{eqn.primitive.name}` {msg}; {fix}")
 
   def dims(self, v) -> frozenset:
     return frozenset() if isinstance(v, Literal) else self.split.get(v, frozenset())
@@ -160,6 +171,13 @@ class _Eval:
         self.inline(eqn, env)
       else:
         outs, out_dims = self.rule(eqn, [read(env, v) for v in eqn.invars], ins)
+        # A piece split along two dimensions at once is a diagonal block: the rest is missing.
+        many = next((d for d in out_dims if len(d) > 1), None)
+        if many:
+          raise self.error(eqn, f"would split dimensions {sorted(many)} of its result at once "
+                                f"(its operands are split along different dimensions)",
+                           "only one dimension of a value can be split: compute this from "
+                           "whole operands, outside the region")
         for v, x, d in zip(eqn.outvars, outs, out_dims):
           env[v] = x
           if d:
@@ -208,7 +226,7 @@ class _Eval:
     if name == "squeeze":
       gone = set(eqn.params["dimensions"])
       if gone & ins[0]:
-        raise self.error(eqn, "squeezes a split dimension")
+        raise self.error(eqn, f"squeezes split dimension(s) {sorted(gone & ins[0])}")
       keep = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in gone]
       return bind(eqn, vals), [frozenset(keep.index(d) for d in ins[0])]
     if name == "dot_general":
@@ -222,19 +240,22 @@ class _Eval:
       dim = eqn.params["dimension"]
       want = frozenset().union(*ins)
       if dim in want:
-        raise self.error(eqn, "concatenates along a split dimension")
+        raise self.error(eqn, f"concatenates along split dimension {dim}")
       return bind(eqn, [self.local(x, d, want) for x, d in zip(vals, ins)]), [want]
     if name == "split":
       if eqn.params["axis"] in ins[0]:
-        raise self.error(eqn, "splits along a split dimension")
+        raise self.error(eqn, f"splits along split dimension {eqn.params['axis']}")
       return bind(eqn, vals), [ins[0]] * len(out_avals)
     if name in _ALONG_AXIS and eqn.params[_ALONG_AXIS[name]] in frozenset().union(*ins):
       raise self.error(eqn, f"works along dimension {eqn.params[_ALONG_AXIS[name]]}, which is split")
-    if self.elementwise(eqn):
+    if name == "rev" and set(eqn.params["dimensions"]) & ins[0]:
+      raise self.error(eqn, f"reverses split dimension(s) "
+                            f"{sorted(set(eqn.params['dimensions']) & ins[0])}")
+    if name not in _NOT_ELEMENTWISE and self.elementwise(eqn):
       return self.pointwise(eqn, vals, ins)
-    raise self.error(eqn, "is not supported on split tensors; write this part of the region with "
-                          "elementwise ops, einsum/dot, reshape, transpose and sums, or move it "
-                          "out of the region")
+    raise self.error(eqn, "is not supported on split tensors",
+                     "write this part of the region with elementwise ops, einsum/dot, reshape, "
+                     "transpose and sums, or move it out of the region")
 
   def elementwise(self, eqn) -> bool:
     out = [v.aval.shape for v in eqn.outvars]
@@ -271,8 +292,8 @@ class _Eval:
       outer_new = next((d for d in gj if new[d] > 1), None)
       if len(split) > 1 or split[0] != outer_old or outer_new is None or new[outer_new] % n:
         raise self.error(eqn, f"reshapes {old} to {new} in a way that mixes the split dimension "
-                              f"{split[0]} with others; keep it the outermost of the dimensions "
-                              f"it is merged with or split into")
+                              f"{split[0]} with others",
+                         "keep it the outermost of the dimensions it is merged with or split into")
       out.add(outer_new)
     out = frozenset(out)
     return bind(eqn, [x], new_sizes=local_shape(new, out, n), dimensions=None), [out]
@@ -286,8 +307,7 @@ class _Eval:
       if a in ld or b in rd:
         if contracting:
           if not self.axis.partial_sums:
-            raise self.error(eqn, f"contracts over the expert axis (dimension {a}); experts must "
-                                  f"not mix inside an EP region")
+            raise self.error(eqn, f"contracts over the expert axis (dimension {a})")
           partial_sum = True
         ld.add(a)
         rd.add(b)
@@ -300,8 +320,10 @@ class _Eval:
     out |= {len(lb) + k for k, d in enumerate(lfree) if d in ld}
     out |= {len(lb) + len(lfree) + k for k, d in enumerate(rfree) if d in rd}
     if partial_sum and out:
-      raise self.error(eqn, "contracts over a split dimension while keeping another split; "
-                            "split only one dimension of the product")
+      raise self.error(eqn, "contracts over a split dimension while keeping another split",
+                       "split only one dimension of the product: after a column-parallel weight "
+                       "comes a row-parallel one (split along its first dimension), as in "
+                       "Megatron's MLP")
     if out:
       lhs = lhs if ld else self.copy(lhs)
       rhs = rhs if rd else self.copy(rhs)
@@ -318,11 +340,17 @@ class _Eval:
     y = bind(eqn, vals)[0]
     if set(axes) & ins[0]:
       if not self.axis.partial_sums or name not in _REDUCE_PARTIAL or out:
-        raise self.error(eqn, f"reduces over split dimension(s) {sorted(set(axes) & ins[0])}"
-                              + ("; experts must not mix inside an EP region"
-                                 if not self.axis.partial_sums else ""))
-      y = (_reduce_from_split(y, self.axis.name) if name == "reduce_sum"
-           else _REDUCE_PARTIAL[name](y, self.axis.name))
+        raise self.error(eqn, f"reduces over split dimension(s) {sorted(set(axes) & ins[0])}")
+      try:
+        y = (_reduce_from_split(y, self.axis.name) if name == "reduce_sum"
+             else _REDUCE_PARTIAL[name](y, self.axis.name))
+      except NotImplementedError:  # pmax/pmin under differentiation
+        raise self.error(eqn, f"takes the {name[7:]}imum over split dimension(s) "
+                              f"{sorted(set(axes) & ins[0])}, and its gradient across devices "
+                              f"is not supported (a stop_gradient after it, as in softmax and "
+                              f"logsumexp, comes too late)",
+                         "keep that dimension whole here, or move this out of the "
+                         "shard_tensor region") from None
     return [y], [out]
 
   def slice(self, eqn, vals, ins):

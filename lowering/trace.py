@@ -14,11 +14,29 @@ from piper_jax.ir.graph import TensorSpec
 from piper_jax.ir.model import ActivationRef, ModelSpec, RegionSpec
 from piper_jax.lowering.compat import Literal, Var, eval_eqns, name_stack
 
-__all__ = ["TracedLoss", "trace_loss", "path_name"]
+__all__ = ["TracedLoss", "trace_loss", "path_name", "check_leaf"]
 
 
 def path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def check_leaf(name: str, x, dtype, shape=None, traced_from: str = "the example") -> None:
+  """Raises a ValueError naming leaf `name` when `x` is not of `dtype` (and `shape`, when
+  given): a step runs one compiled program, and casting silently could change precision.
+
+  Dtypes compare as jit sees them (numpy's int64 is int32 unless x64 is enabled).
+  """
+  got, want = jnp.dtype(jnp.result_type(x)), jnp.dtype(dtype)
+  got_shape = tuple(np.shape(x))
+  if shape is not None and got_shape != tuple(shape):
+    raise ValueError(f"{name} has shape {got_shape}, but the step was compiled for "
+                     f"{tuple(shape)} ({traced_from}); pass a leaf of that shape, or compile "
+                     f"the step for this one")
+  if got != want:
+    raise ValueError(f"{name} has dtype {got.name}, but the step was compiled for {want.name} "
+                     f"({traced_from}); cast it with `.astype(jnp.{want.name})`, or compile "
+                     f"the step for this dtype")
 
 
 def _spec(name: str, aval, names=None) -> TensorSpec:
@@ -261,6 +279,13 @@ class TracedLoss:
             and to.itemsize < dt.itemsize):
           out[i] = to.name
     return out
+
+  def check_params(self, leaves: list) -> None:
+    """Raises a ValueError naming the first parameter leaf whose shape or dtype is not
+    the traced one."""
+    for (path, want), x in zip(self.param_leaves, leaves):
+      check_leaf(f"params{jax.tree_util.keystr(path)}", x, want.dtype, want.shape,
+                 "the params given to pj.compile")
 
   def loss_output(self) -> int:
     """Which output of the loss region is the loss."""

@@ -17,7 +17,7 @@ from piper_jax.lowering.layout import ParamLayout
 from piper_jax.lowering.local import RegionRunner, SplitAxis
 from piper_jax.lowering.optimizer import packed_update_reason
 from piper_jax.lowering.program import Program
-from piper_jax.lowering.trace import trace_loss
+from piper_jax.lowering.trace import check_leaf, trace_loss
 
 __all__ = ["TrainState", "TrainStep", "compile", "plan"]
 
@@ -211,7 +211,7 @@ class TrainStep:
     out = []
     for (path, x), spec in zip(paths, self._traced.spec.batch):
       name = f"batch{jax.tree_util.keystr(path)}"
-      self._traced.check_leaf(name, x, spec.dtype, traced_from="the example batch's")
+      check_leaf(name, x, spec.dtype, traced_from="the example batch's")
       want = (self.batch_size,) + spec.shape[1:]
       if n_proc > 1 and not (isinstance(x, jax.Array) and tuple(x.shape) == want):
         local = (self.batch_size // n_proc,) + spec.shape[1:]
