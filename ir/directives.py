@@ -66,15 +66,25 @@ class Directive:
 
   @staticmethod
   def from_json(obj: Mapping[str, Any]) -> "Directive":
-    """A directive from one entry of a Piper JSON schedule (`{"op": ...}`)."""
-    if not isinstance(obj, Mapping) or "op" not in obj:
-      raise ValueError(f"a directive is a JSON object with an 'op' key, got {obj!r}")
-    op = obj["op"]
+    """A directive from one entry of a Piper JSON schedule (`{"op": ...}`).
+
+    Raises:
+      ValueError: naming the entry as JSON and what to change in it; a place,
+        replicate, shard or shard_tensor entry without a "filter" is one.
+    """
     try:
-      cls = _OPS[op]
-    except KeyError:
-      raise ValueError(f"unknown directive op {op!r}; expected one of {sorted(_OPS)}") from None
-    return cls._from_json(obj)
+      if not isinstance(obj, Mapping) or "op" not in obj:
+        raise ValueError(f"a directive is a JSON object with an 'op' key, got {obj!r}")
+      op = obj["op"]
+      if op not in _OPS:
+        raise ValueError(f"unknown directive op {op!r}; expected one of {sorted(_OPS)}")
+      # As in Piper's loader: a forgotten filter would otherwise match every node unnoticed.
+      if op in _NEEDS_FILTER and obj.get("filter") is None:
+        raise ValueError(f'a {op} entry needs a "filter": add "filter": {{}} to match every '
+                         f'node, or name the nodes, e.g. "filter": {{"PP": 0}}')
+      return _OPS[op]._from_json(obj)
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"{json.dumps(obj, default=repr)}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +104,7 @@ class Place(Directive):
 
   @classmethod
   def _from_json(cls, o):
-    return place(o.get("filter", {}), o["devices"], stream=o.get("stream"))
+    return place(o["filter"], o["devices"], stream=o.get("stream"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +138,7 @@ class Replicate(Directive):
   @classmethod
   def _from_json(cls, o):
     zero = 3 if o.get("shard_params") else 2 if o.get("shard_grads") else int(o.get("zero", 0))
-    return replicate(o.get("filter", {}), o["devices"], zero=zero, bucket_mb=o.get("bucket_size"),
+    return replicate(o["filter"], o["devices"], zero=zero, bucket_mb=o.get("bucket_size"),
                      reduce_stream=o.get("reduce_stream"), gather_stream=o.get("gather_stream"),
                      reduce_dtype=o.get("reduce_dtype"))
 
@@ -146,7 +156,7 @@ class Shard(Directive):
 
   @classmethod
   def _from_json(cls, o):
-    return shard(o.get("filter", {}), o["devices"])
+    return shard(o["filter"], o["devices"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +174,7 @@ class ShardTensor(Directive):
 
   @classmethod
   def _from_json(cls, o):
-    return shard_tensor(o.get("filter", {}), o["devices"], axis=o.get("axis", "tp"))
+    return shard_tensor(o["filter"], o["devices"], axis=o.get("axis", "tp"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +211,9 @@ class Order(Directive):
 
 
 _OPS = {c.op: c for c in (Place, Replicate, Shard, ShardTensor, Split, Order)}
+# Split's filter stays optional (Piper requires it): `pj.split` documents `filter=None`, and
+# a split must cover the whole model whatever its filter says.
+_NEEDS_FILTER = ("place", "replicate", "shard", "shard_tensor")
 
 
 def place(filter, devices, stream=None) -> Place:
@@ -280,8 +293,8 @@ def load_directives(source: str | os.PathLike | Sequence[Mapping] | Sequence[Dir
       continue
     try:
       out.append(Directive.from_json(entry))
-    except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"schedule entry {i} {json.dumps(entry, default=repr)}: {e}") from None
+    except ValueError as e:  # from_json names the entry as JSON; this adds its index
+      raise ValueError(f"schedule entry {i} {e}") from None
   return out
 
 

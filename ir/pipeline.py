@@ -13,6 +13,7 @@ from piper_jax.ir.mesh import derive_mesh
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.passes import (apply_order, insert_collectives, insert_send_recv, place_nodes,
                                  shard_regions, split_backward, split_microbatches)
+from piper_jax.ir.passes.split_backward import backward_split_keys
 from piper_jax.ir.plan import Plan
 from piper_jax.ir.verify import verify
 
@@ -23,6 +24,13 @@ def _filters(d: Directive):
   if isinstance(d, Order):
     return [f for g in d.groups for f in g]
   return [d.filter]
+
+
+def _region_names(model: ModelSpec, most: int = 8) -> str:
+  """The regions' tags, as a filter would name them ('PP=0, PP=1'), the first `most` only."""
+  names = list(dict.fromkeys(r.name if r.tags else "(untagged)" for r in model.regions))
+  more = f" and {len(names) - most} more" if len(names) > most else ""
+  return ", ".join(names[:most]) + more
 
 
 def _check_filters(model: ModelSpec, directives: Sequence[Directive], n_mb: int) -> None:
@@ -61,8 +69,8 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
               global_batch: int | None = None, check: bool = False) -> Plan:
   """Builds the global DAG of `model`, rewrites it with `directives` and orders it per device.
 
-  Pass order: split, BI/BW split (when a filter names BI or BW), place/replicate, mesh
-  check, send/recv, shard/shard_tensor, collectives, order.
+  Pass order: split, BI/BW split (of the backwards `order`s name as BI and BW),
+  place/replicate, mesh check, send/recv, shard/shard_tensor, collectives, order.
   Raises `DirectiveError` (naming the directive) or `PlanError` for bad input.
   With `check`, `verify` runs after every pass and names the pass that broke it.
   """
@@ -75,13 +83,19 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
   _check_filters(model, directives, n_mb)
   graph = check_(build_graph(model), "build_graph")
   graph = check_(split_microbatches(graph, n_mb), "split_microbatches")
-  if any(t == "PASS" and v in ("BI", "BW") for d in directives for f in _filters(d) for t, v in f):
-    graph = check_(split_backward(graph), "split_backward")
+  orders = [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)]
+  split_keys = backward_split_keys(graph, orders)
+  if split_keys:
+    graph = check_(split_backward(graph, split_keys), "split_backward")
   for i, d in enumerate(directives):
     if not isinstance(d, Split):
       for f in _filters(d):
         if not select(graph, f, kinds=(NodeKind.COMPUTE, NodeKind.UPDATE)):
-          raise DirectiveError(f"filter {dict(f)} matches no node of this model", i, d)
+          group = (next(f" (group {g})" for g, fs in enumerate(d.groups) if f in fs)
+                   if isinstance(d, Order) else "")
+          raise DirectiveError(f"filter {dict(f)}{group} matches no node of this model, whose "
+                               f"regions are {_region_names(model)}; fix the filter or drop it",
+                               i, d)
   graph, placed_by = place_nodes(
       graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, (Place, Replicate))],
       n_devices)

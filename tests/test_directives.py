@@ -40,6 +40,18 @@ def test_piper_keys_map_to_zero():
   assert d.zero == 3
 
 
+@pytest.mark.parametrize("op", ["place", "replicate", "shard", "shard_tensor"])
+def test_entry_without_filter_is_rejected(op):
+  entry = {"op": op, "devices": [0, 1]}
+  with pytest.raises(ValueError, match=r'^schedule entry 1 \{"op": "%s", "devices": \[0, 1\]\}: '
+                                       r'a %s entry needs a "filter": add "filter": \{\} to match '
+                                       r'every node' % (op, op)):
+    pj.load_directives([{"op": "split", "num_microbatches": 2}, entry])
+  with pytest.raises(ValueError, match=r'^\{"op": "%s", .*needs a "filter"' % op):
+    pj.Directive.from_json({**entry, "filter": None})
+  assert pj.load_directives([{**entry, "filter": {}}])[0].filter == ()
+
+
 def test_one_f_one_b_order_per_stage():
   orders = pj.schedules.one_f_one_b(2, 4)
   first = [dict(g[0])["PASS"] + str(dict(g[0])["MB"]) for g in orders[0].groups]

@@ -56,10 +56,70 @@ def test_custom_order_from_piper_json(tmp_path):
 def test_infeasible_custom_order_names_cycle():
   # BI of stage 0 needs BI of stage 1, which needs F of stage 1, which needs F of stage 0.
   d = [pj.split(2), pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [1]),
-       pj.order([{"PP": 0, "PASS": "BI", "MB": 0}, {"PP": 0, "PASS": "F", "MB": 1}]),
-       pj.order([{"PP": 1, "PASS": "F", "MB": 1}, {"PP": 1, "PASS": "BI", "MB": 0}])]
+       pj.order([{"PP": 0, "PASS": "BI", "MB": 0}, {"PP": 0, "PASS": "F", "MB": 1},
+                 {"PP": 0, "PASS": "BW", "MB": 0}]),
+       pj.order([{"PP": 1, "PASS": "F", "MB": 1}, {"PP": 1, "PASS": "BI", "MB": 0},
+                 {"PP": 1, "PASS": "BW", "MB": 0}])]
   with pytest.raises(pj.DirectiveError, match=r"directive 4 .*cycle r\d"):
     _same(2, d)
+
+
+def _f(stage, pass_, mb):
+  return {"PP": stage, "PASS": pass_, "MB": mb}
+
+
+def test_mixed_fused_and_split_backward():
+  # 1F1B where microbatches 0-1 run a fused B and 2-3 run BI, then BW later.
+  stage0 = ([("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3)]
+            + [("BI", 2), ("BW", 2), ("BI", 3), ("BW", 3)])
+  stage1 = ([("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("BI", 2), ("F", 3)]
+            + [("BI", 3), ("BW", 2), ("BW", 3)])
+  sched = [{"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": 4},
+           {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+           {"op": "place", "filter": {"PP": 1}, "devices": [1]}]
+  sched += [{"op": "order", "filters": [[_f(s, p, m)] for p, m in seq]}
+            for s, seq in enumerate((stage0, stage1))]
+  step, _ = _same(2, sched)
+  labels = {t.label for t in step.plan.tasks.values()}
+  assert {f"r{s}B{m}" for s in (0, 1) for m in (0, 1)} <= labels
+  assert {f"r{s}{p}{m}" for s in (0, 1) for p in ("BI", "BW") for m in (2, 3)} <= labels
+  assert not labels & {"r0B2", "r1B3", "r0BI0", "r1BW1"}
+
+
+def _plan(*orders):
+  d = [pj.split(2), pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [1])]
+  return ir.make_plan(chain_model(2), d + [pj.order(o) for o in orders], n_devices=2)
+
+
+def test_split_backward_errors():
+  with pytest.raises(pj.DirectiveError,
+                     match=r'directive 3 .*orders the BI of \{"PP": 0, "MB": 1\} \(r0B1\) but no '
+                           r'order directive names its BW; add \{"PP": 0, "MB": 1, "PASS": "BW"\}'):
+    _plan([_f(0, "F", 1), _f(0, "BI", 1)])
+  with pytest.raises(pj.DirectiveError, match=r"directive 3 .*orders the BW of .*r0B0.* no order "
+                                              r"directive names its BI"):
+    _plan([_f(0, "F", 0), _f(0, "BW", 0)])
+  with pytest.raises(pj.DirectiveError, match=r"directive 4 .*orders the BW of .*r0B0.* but its BI "
+                                              r"is in directive 3; put the BI and BW of one "
+                                              r"backward in the same order directive"):
+    _plan([_f(0, "F", 0), _f(0, "BI", 0)], [_f(0, "F", 1), _f(0, "BW", 0)])
+  with pytest.raises(pj.DirectiveError, match=r"directive 3 .*orders the BW of .*r0B0.* "
+                                              r"\(group 1\) before its BI \(group 2\)"):
+    _plan([_f(0, "F", 0), _f(0, "BW", 0), _f(0, "BI", 0)])
+  with pytest.raises(pj.DirectiveError, match=r"directive 3 .*names the fused B of .*r0B1.*, which "
+                                              r"directive 4 splits into BI and BW"):
+    _plan([{"PP": 0, "PASS": "F", "MB": "*"}, {"PP": 0, "PASS": "B", "MB": "*"}],
+          [_f(0, "BI", 1), _f(0, "BW", 1)])
+  with pytest.raises(pj.DirectiveError, match=r"names the BI of .*r0B0.* more than once "
+                                              r"\(directive 3 group 0, directive 3 group 2\)"):
+    _plan([{"PP": 0, "PASS": "BI", "MB": "*"}, _f(0, "BW", 1), _f(0, "BI", 0), _f(0, "BW", 0)])
+
+
+def test_wildcard_names_every_backward_it_matches():
+  plan = _plan([{"PP": "*", "PASS": "F", "MB": 0}, {"PP": "*", "PASS": "BI", "MB": 0},
+                {"PP": "*", "PASS": "BW", "MB": 0}])
+  passes = {n.label for n in plan.graph.compute_nodes() if n.pass_.value != "F"}
+  assert passes == {"r0BI0", "r0BW0", "r1BI0", "r1BW0", "r0B1", "r1B1"}
 
 
 def test_dualpipev_needs_enough_microbatches():

@@ -41,6 +41,19 @@ def test_split_copies_nodes_per_microbatch():
   assert sum(1 for e in g.edges if e.dst == "upd0") == 3
 
 
+def test_split_backward_splits_only_the_named_keys():
+  from piper_jax.ir.passes import split_backward
+  g = split_microbatches(build_graph(chain_model(2)), 2)
+  g = split_backward(g, {(1, 0), (0, 1)})
+  ids = {n.id for n in g.compute_nodes() if n.pass_ is not Pass.F}
+  assert ids == {"r1BI0", "r1BW0", "r0B0", "r0BI1", "r0BW1", "r1B1"}
+  edges = {(e.src, e.dst) for e in g.edges}
+  # A split backward sends its cotangent from BI to a fused B, and a fused B to a BI.
+  assert {("r1BI0", "r0B0"), ("r1B1", "r0BI1"), ("r0BI1", "r0BW1"), ("r0BW1", "upd0"),
+          ("r0B0", "upd0"), ("r1F0", "r1BW0")} <= edges
+  assert g.find_cycle() is None
+
+
 def test_pipeline_plan_inserts_send_recv_and_1f1b_ticks():
   import piper_jax as pj
   plan = ir.make_plan(chain_model(2), pj.strategies.pipeline(2, 4, "1f1b"), n_devices=2)
