@@ -9,8 +9,10 @@ __all__ = ["save", "restore", "latest_step"]
 
 
 def _manager(directory, create: bool):
+  """Orbax's manager of `directory`; `create` (for saving) makes the directory and deletes
+  the temporary directories of saves that never committed (a run killed while saving)."""
   import orbax.checkpoint as ocp
-  options = ocp.CheckpointManagerOptions(create=create)
+  options = ocp.CheckpointManagerOptions(create=create, cleanup_tmp_directories=create)
   return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
 
 
@@ -19,8 +21,10 @@ def save(directory: str | os.PathLike, state, step: int) -> None:
 
   What is written is the user's parameter pytree and the optimizer state over it
   (`TrainStep.canonical`), not the packed per-device buffers, so `restore` works
-  under another strategy. Orbax writes each process's own shards and commits a step
-  by renaming it into place: a run killed while saving keeps the previous step.
+  under another strategy. Orbax writes each process's own shards into a temporary
+  directory and commits a step by renaming it into place: a run killed while saving
+  keeps the previous step (`latest_step` and `restore` skip the unfinished one), and
+  the next `save` deletes what the killed one left.
   """
   import orbax.checkpoint as ocp
   if state.owner is None:
