@@ -107,3 +107,48 @@ def assert_same_run(loss_fn, params, directives, n_steps=2, batch_size=16, seed=
                                                  atol=1e-5 * scale),
       params, sgd_params, ref_grads)
   return step, state
+
+
+def assert_updates_close(got, ref, start, grads, bound=0.1):
+  """Asserts each leaf moved from `start` as in the reference run, leaf by leaf:
+  ||(got - start) - (ref - start)|| <= bound * ||ref - start||.
+
+  For bf16-compute runs, whose elements differ from one device's by rounding: a
+  frozen or dropped leaf (relative error 1) or one moved at another scale (a gradient
+  doubled: 1 under SGD) fails the bound, which rounding stays far below. Elements
+  whose gradient (`grads`, the reference's) is at bf16 rounding level, as an attention
+  key's bias, move by noise and are left out.
+  """
+  leaves = lambda t: [np.asarray(x, np.float32).ravel() for x in jax.tree_util.tree_leaves(t)]
+  paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(start)]
+  rms = lambda xs: float(np.sqrt(sum(np.sum(x * x) for x in xs) / sum(x.size for x in xs)))
+  g_rms = rms(leaves(grads))
+  wants = [r - s for r, s in zip(leaves(ref), leaves(start))]
+  norm = lambda x: float(np.linalg.norm(x))
+  for name, g, s, want, grad in zip(paths, leaves(got), leaves(start), wants, leaves(grads)):
+    signal = np.abs(grad) >= 1e-2 * g_rms
+    if not signal.any():
+      continue
+    moved, want = (g - s)[signal], want[signal]
+    assert norm(want) > 0, f"{name} did not move in the reference run: the test cannot check it"
+    err = norm(moved - want) / norm(want)
+    assert err <= bound, f"{name}: update differs from one device's by {err:.3f} of its norm"
+
+
+def assert_same_bf16_run(loss_fn, params, batches, directives, tx=None, losses=None, got=None,
+                         **kw):
+  """Checks a bf16-compute run under `directives` against the same model on one device:
+  losses to 2e-2, every leaf's k-step update (to 0.3 of its norm) and one plain-SGD
+  step's update (to 0.1: `assert_updates_close`). `losses`/`got` reuse a run already made."""
+  tx = tx or optimizer()
+  ref_losses, ref_params = reference_run(loss_fn, params, batches, tx)
+  if losses is None:
+    losses, got, _, _ = piper_run(loss_fn, params, batches, tx, directives, **kw)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+  grads = jax.grad(loss_fn)(params, batches[0])
+  # Adam's k steps: looser, since it moves elements with small gradients a full step
+  # whatever their rounding; the SGD step holds the gradients to 0.1.
+  assert_updates_close(got, ref_params, params, grads, bound=0.3)
+  _, sgd_ref = reference_run(loss_fn, params, batches[:1], optax.sgd(1.0))
+  _, sgd_got, _, _ = piper_run(loss_fn, params, batches[:1], optax.sgd(1.0), directives, **kw)
+  assert_updates_close(sgd_got, sgd_ref, params, grads)
