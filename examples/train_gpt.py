@@ -8,7 +8,9 @@ Without a GPU it runs on 8 simulated CPU devices:
 Strategies: dp, zero1, zero2, zero3 (data parallel over all devices, ZeRO level
 K) and pp-gpipe, pp-1f1b, pp-zb, pp-interleaved, pp-dualpipev (`--stages` pipeline
 stages, two per device for interleaved and DualPipeV, `--microbatches`, times `--dp`
-data-parallel replicas with ZeRO level `--zero`).
+data-parallel replicas with ZeRO level `--zero`). `--check` first compares two
+steps of the strategy with the plain computation (`piper_jax.check`) and stops,
+exit status 1, when they differ.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: at the end)")
   p.add_argument("--resume", action="store_true",
                  help="continue from the newest checkpoint in --ckpt-dir (any strategy)")
+  p.add_argument("--check", action="store_true",
+                 help="before training, compare two steps of the strategy on the first batch "
+                      "with the plain computation (piper_jax.check) and stop if they differ")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   return p.parse_args(argv)
 
@@ -174,6 +179,10 @@ def _base_strategy(args, n_devices: int):
 
 class TrainingDiverged(RuntimeError):
   """The loss stopped being finite; the last good checkpoint is kept."""
+
+
+class CheckFailed(RuntimeError):
+  """`--check` found the strategy's numbers differ from the plain computation's."""
 
 
 def load_corpus(spec: str, max_bytes: int = 8 << 20) -> np.ndarray:
@@ -247,12 +256,19 @@ def main(argv=None) -> dict:
         f"{config.n_layers} layers in {config.n_stages} stage(s), {args.dtype}")
   print(f"strategy: {args.strategy}; data: {args.data}")
 
-  step = pj.compile(gpt.loss_fn(model), optimizer, directives, params, get_batch(0),
+  loss_fn = gpt.loss_fn(model)
+  step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
                     devices=devices, roll=args.roll, remat=args.remat)
   print(step.plan)
   if step.rolled:
     w = step.rolled
     print(f"ticks {w.start}-{w.stop - 1} run as {w.iters} iterations of {w.length} ticks")
+  if args.check:
+    report = step.check(params, get_batch(0), steps=2)
+    print(report)
+    if not report.passed:
+      raise CheckFailed(f"--check: the strategy differs from the plain computation "
+                        f"({len(report.failures)} failed comparison(s), listed above)")
   first = 0
   if args.resume and pj.checkpoint.latest_step(args.ckpt_dir) is not None:
     state = pj.checkpoint.restore(args.ckpt_dir, step)
@@ -315,5 +331,5 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
   try:
     main()
-  except (UsageError, TrainingDiverged) as e:
+  except (UsageError, TrainingDiverged, CheckFailed) as e:
     sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")

@@ -95,7 +95,9 @@ class TrainStep:
                compiler_options: dict | None = None, remat: bool | None = None):
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
-    self.optimizer = optimizer
+    self.loss_fn, self.optimizer = loss_fn, optimizer
+    # What `check` compiles its SGD step with, so that it runs the same program.
+    self._compile_kwargs = {"roll": roll, "remat": remat, "compiler_options": compiler_options}
     traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch, len(self.devices))
     pm = plan.mesh
     batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
@@ -202,7 +204,17 @@ class TrainStep:
             else x for x, sh in zip(leaves, self._canonical_shardings())]
 
   def _batch_leaves(self, batch) -> list:
-    """Batch leaves as global arrays; with several processes, host data is this process's rows."""
+    """Batch leaves as global arrays sharded as `batch_sharding`.
+
+    A global `jax.Array` sharded otherwise is resharded onto it: over the same devices
+    (any process count, or any devices in one process) by `jax.device_put`; over other
+    devices of several processes only when it is fully replicated (each process then
+    holds the whole batch), and else refused. With several processes, host data (or
+    a process-local array) is the rows this process's devices take: process p's
+    `batch_size / process_count` rows `[p*B/P, (p+1)*B/P)` when the data-parallel
+    replicas divide evenly over the processes, the whole batch when every process
+    holds a device of each replica (a pipeline across processes).
+    """
     paths, tree = jax.tree_util.tree_flatten_with_path(batch)
     if tree != self._traced.batch_tree:
       raise ValueError(f"batch has structure {tree}, but the step was compiled for "
@@ -213,18 +225,50 @@ class TrainStep:
       name = f"batch{jax.tree_util.keystr(path)}"
       check_leaf(name, x, spec.dtype, traced_from="the example batch's")
       want = (self.batch_size,) + spec.shape[1:]
-      if n_proc > 1 and not (isinstance(x, jax.Array) and tuple(x.shape) == want):
-        local = (self.batch_size // n_proc,) + spec.shape[1:]
+      if isinstance(x, jax.Array) and (n_proc == 1 or not x.is_fully_addressable):
+        if tuple(x.shape) != want:
+          raise ValueError(f"{name} has shape {tuple(x.shape)}, but the step was compiled "
+                           f"for {want} (the example batch's)")
+        sharding = self._batch_sharding
+        if not x.sharding.is_equivalent_to(sharding, x.ndim):
+          if n_proc == 1 or x.sharding.device_set == sharding.device_set:
+            x = jax.device_put(x, sharding)
+          elif x.is_fully_replicated:
+            x = jax.make_array_from_process_local_data(
+                sharding, np.asarray(x.addressable_data(0)), want)
+          else:
+            raise ValueError(
+                f"{name} is a global jax.Array sharded as {x.sharding} over devices other "
+                f"than the step's, which JAX cannot reshard across processes: pass it "
+                f"sharded as `step.batch_sharding` ({sharding}), fully replicated, or as "
+                f"host data (the rows of this process's devices)")
+      elif n_proc > 1:
+        index = self._batch_sharding.addressable_devices_indices_map(want)
+        spans = sorted({sl[0].indices(want[0])[:2] for sl in index.values()})
+        local = (sum(b - a for a, b in spans),) + spec.shape[1:]
         if tuple(np.shape(x)) != local:
-          raise ValueError(f"{name} has shape {tuple(np.shape(x))}: with "
-                           f"{n_proc} processes pass this process's {local[0]} rows, shape "
-                           f"{local}, or a global jax.Array of shape {want}")
+          runs = []  # adjacent spans merged: rows 0:8, not 0:2, 2:4, ...
+          for a, b in spans:
+            if runs and runs[-1][1] == a:
+              a = runs.pop()[0]
+            runs.append((a, b))
+          rows = ", ".join(f"{a}:{b}" for a, b in runs)
+          raise ValueError(f"{name} has shape {tuple(np.shape(x))}: with {n_proc} processes "
+                           f"pass the {local[0]} rows this process's devices take (rows "
+                           f"{rows} of the global batch), shape {local}, or a global "
+                           f"jax.Array of shape {want}")
         x = jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(x), want)
       elif tuple(np.shape(x)) != want:
         raise ValueError(f"{name} has shape {tuple(np.shape(x))}, but the step was compiled "
                          f"for {want} (the example batch's)")
       out.append(x)
     return out
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """The sharding of every batch leaf the step runs on (rows over the data-parallel
+    axes); a global `jax.Array` batch sharded so is passed as it is."""
+    return self._batch_sharding
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
     """One training step: returns the new state and the mean loss over the batch."""
@@ -235,6 +279,17 @@ class TrainStep:
     """The ticks run as one loop (`compile(roll=True)`, the default): a `Window` with
     `start`, `stop`, `length` and `iters`, or None when the step unrolls every tick."""
     return self._program.window
+
+  def check(self, params: Any, batch: Any, steps: int = 2, **kwargs):
+    """Runs this strategy and the plain computation from `params` and compares them:
+    losses, every leaf after `steps` steps and one plain-SGD step's gradients.
+
+    Returns a `piper_jax.check.CheckReport` (`print` it; `.passed`); `kwargs` go to
+    `piper_jax.check.check` (`reference`, `rtol`, `sgd`).
+    """
+    from piper_jax.check import check
+    kwargs.setdefault("compile_kwargs", self._compile_kwargs)
+    return check(self, params, batch, steps=steps, **kwargs)
 
   def lower(self, state: TrainState, batch: Any):
     """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""
