@@ -29,7 +29,8 @@ def test_resume_after_kill_gives_the_same_losses(tmp_path):
 
 
 def test_resume_under_another_strategy(tmp_path):
-  full = train_gpt.main(PP + ["--steps", "4"])
+  # --check: the loop's strategy against one device first (k steps and a plain-SGD step).
+  full = train_gpt.main(PP + ["--steps", "4", "--check"])
   train_gpt.main(PP + ["--steps", "2", "--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"])
   other = train_gpt.main(["--strategy", "zero3", "--batch", "8", "--quiet", "--steps", "4",
                           "--ckpt-dir", str(tmp_path / "c"), "--resume"])
