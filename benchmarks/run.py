@@ -24,7 +24,9 @@ A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`:
 experts are split over each rank's data-parallel devices. The dense GPT's pipeline
 stages get equal blocks (with cuDNN attention the fastest split measured, run AD); a
 `+balanced` suffix gives them `gpt.balanced_stage_layers` (the last stage fewer, for
-the head and the loss). A `+bf16` suffix
+the head and the loss). A `+mask` suffix trains
+with adamw that does not decay vectors (biases, norms): piper-jax then updates whole
+leaves instead of its packed buffers; its ratio is against `jit-dp+mask`. A `+bf16` suffix
 keeps parameters and optimizer states in bf16 (the PyTorch peer's setting; fp32 master
 weights otherwise) and takes its ratio against `jit-dp+bf16`. A `+rbf16` suffix reduces
 the data-parallel gradients in bf16 (`replicate(reduce_dtype="bfloat16")`), as plain
@@ -87,7 +89,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
-_SUFFIXES = ("ep", "balanced", "bf16", "rbf16", "roll", "nocast", "taskcast", "nounpack",
+_SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
              "nodistopt", "nocolsum", "deeproll",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla")
 _REGIONS = re.compile(r"r\d+")
@@ -97,11 +99,13 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev"
 
 
 def BASELINE_OF(variant: str, model: str = "") -> str:
-  """The plain-JAX row a variant's ratio is taken against (the `+bf16` one for `+bf16`;
+  """The plain-JAX row a variant's ratio is taken against (the `+bf16` one for `+bf16`,
+  the `+mask` one for `+mask`;
   `shmap-dp`, which routes per device, for MoE models)."""
   base, mods = split_variant(variant)
   default = "shmap-dp" if model.startswith("moe-") else "jit-dp"
-  return _BASELINE.get(base.partition("@")[0], default) + ("+bf16" if "bf16" in mods else "")
+  return _BASELINE.get(base.partition("@")[0], default) + "".join(
+      "+" + m for m in ("bf16", "mask") if m in mods)
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
@@ -244,7 +248,10 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   config, net, directives = build(variant, model, n, microbatches, pp, zero, attention)
   loss_fn = gpt.loss_fn(net)
   params = gpt.init_params(net, jax.random.PRNGKey(0))
-  tx = optax.adamw(1e-4, weight_decay=0.1)
+  # "+mask": no weight decay on vectors (biases, norms), the common LLM setting; such an
+  # optimizer updates whole leaves under piper-jax (`TrainStep.leaf_update`).
+  mask = (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)) if "mask" in mods else None
+  tx = optax.adamw(1e-4, weight_decay=0.1, mask=mask)
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
   sim = {}
 
@@ -483,8 +490,8 @@ def main(argv=None):
     if {m for m in mods if not (_REGIONS.fullmatch(m) or _LAYERS.fullmatch(m))} - set(_SUFFIXES):
       raise ValueError(f"unknown suffix in {v!r}: use +rK, +L<blocks>-<blocks>... and "
                        + ", ".join("+" + m for m in _SUFFIXES))
-    if base in BASELINES and set(mods) - {"bf16", "xla"}:
-      raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16 and +xla")
+    if base in BASELINES and set(mods) - {"bf16", "mask", "xla"}:
+      raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16, +mask and +xla")
     if {"remat", "noremat"} <= set(mods):
       raise ValueError(f"{v!r}: +remat and +noremat contradict each other; keep one")
     if "xla" in mods and not args.xla_flags:
