@@ -99,7 +99,7 @@ def assert_same_run(loss_fn, params, directives, n_steps=2, batch_size=16, seed=
   if not check_sgd:
     return step, state
   grad_batch = fresh(n_steps)
-  ref_grads = jax.grad(loss_fn)(params, grad_batch)
+  ref_grads = jax.jit(jax.grad(loss_fn))(params, grad_batch)
   _, sgd_params, _, _ = piper_run(loss_fn, params, [grad_batch], optax.sgd(1.0), directives, **kw)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(ref_grads))
   jax.tree_util.tree_map(
@@ -145,7 +145,7 @@ def assert_same_bf16_run(loss_fn, params, batches, directives, tx=None, losses=N
   if losses is None:
     losses, got, _, _ = piper_run(loss_fn, params, batches, tx, directives, **kw)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
-  grads = jax.grad(loss_fn)(params, batches[0])
+  grads = jax.jit(jax.grad(loss_fn))(params, batches[0])
   # Adam's k steps: looser, since it moves elements with small gradients a full step
   # whatever their rounding; the SGD step holds the gradients to 0.1.
   assert_updates_close(got, ref_params, params, grads, bound=0.3)
