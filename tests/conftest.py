@@ -11,10 +11,6 @@ _flags = os.environ.get("XLA_FLAGS", "")
 _named = re.findall(r"--(?:no)?(\w+)", _flags)
 if "xla_backend_optimization_level" not in _named:
   _flags += " --xla_backend_optimization_level=0"
-# XLA's CPU fusion emitters compile the tests' steps 2.4x slower (an EP x ZB step 6.4 vs
-# 2.6 s), the same numbers either way.
-if "xla_cpu_use_fusion_emitters" not in _named:
-  _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
@@ -29,3 +25,19 @@ import sys  # noqa: E402
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)  # for `examples.gpt`
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def batches_of(monkeypatch):
+  """`batches_of(config)`: `models.random_batch` draws token batches of a GPT config."""
+  import models
+  from examples import gpt
+
+  def use(config):
+    monkeypatch.setattr(models, "random_batch",
+                        lambda rng, n: gpt.random_batch(config, rng, n, pattern_seed=1))
+
+  return use

@@ -136,10 +136,11 @@ def assert_updates_close(got, ref, start, grads, bound=0.1):
 
 
 def assert_same_bf16_run(loss_fn, params, batches, directives, tx=None, losses=None, got=None,
-                         **kw):
+                         sgd=True, **kw):
   """Checks a bf16-compute run under `directives` against the same model on one device:
-  losses to 2e-2, every leaf's k-step update (to 0.3 of its norm) and one plain-SGD
-  step's update (to 0.1: `assert_updates_close`). `losses`/`got` reuse a run already made."""
+  losses to 2e-2, every leaf's k-step update (to 0.3 of its norm) and, unless `sgd` is
+  False because another test runs the same bf16 path, one plain-SGD step's update (to
+  0.1: `assert_updates_close`). `losses`/`got` reuse a run already made."""
   tx = tx or optimizer()
   ref_losses, ref_params = reference_run(loss_fn, params, batches, tx)
   if losses is None:
@@ -149,6 +150,30 @@ def assert_same_bf16_run(loss_fn, params, batches, directives, tx=None, losses=N
   # Adam's k steps: looser, since it moves elements with small gradients a full step
   # whatever their rounding; the SGD step holds the gradients to 0.1.
   assert_updates_close(got, ref_params, params, grads, bound=0.3)
+  if not sgd:
+    return
   _, sgd_ref = reference_run(loss_fn, params, batches[:1], optax.sgd(1.0))
   _, sgd_got, _, _ = piper_run(loss_fn, params, batches[:1], optax.sgd(1.0), directives, **kw)
   assert_updates_close(sgd_got, sgd_ref, params, grads)
+
+
+def _gpt_model(make_config, make_model, n_stages, kw):
+  from examples import gpt
+  kw.setdefault("n_layers", max(2, n_stages))
+  config = make_config(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_stages=n_stages, **kw)
+  model = make_model(config)
+  # Flax's init under jit: a few seconds instead of op by op.
+  params = jax.jit(lambda rng: gpt.init_params(model, rng))(jax.random.PRNGKey(0))
+  return config, gpt.loss_fn(model), params
+
+
+def moe_gpt(n_stages=1, **kw):
+  """(config, loss, params) of a tiny MoE GPT (examples/moe.py); `kw` go to its config."""
+  from examples import moe
+  return _gpt_model(moe.MoEConfig, moe.MoEGPT, n_stages, kw)
+
+
+def tp_gpt(n_stages=1, **kw):
+  """(config, loss, params) of a tiny GPT with Megatron names for tensor parallelism."""
+  from examples import gpt
+  return _gpt_model(gpt.GPTConfig, gpt.GPT, n_stages, {"tp_axis": "tp", **kw})

@@ -19,8 +19,8 @@ import optax
 import pytest
 
 import piper_jax as pj
-from examples import gpt, moe
-from models import init_mlp, mlp_loss, optimizer, random_batch, reference_run
+from examples import gpt
+from models import init_mlp, mlp_loss, moe_gpt, optimizer, random_batch, reference_run, tp_gpt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,24 +80,11 @@ def _mlp(n_steps=2):
   return mlp_loss(2), params, [random_batch(jax.random.PRNGKey(i), 16) for i in range(n_steps)]
 
 
-def _init(model):
-  # Jitted: Flax's eager init costs seconds of op-by-op dispatch.
-  return jax.jit(lambda rng: gpt.init_params(model, rng))(jax.random.PRNGKey(0))
-
-
-def _moe(**kw):
-  config = moe.MoEConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1, **kw)
-  model = moe.MoEGPT(config)
-  batches = [gpt.random_batch(config, jax.random.PRNGKey(i), 8, pattern_seed=1) for i in range(3)]
-  return gpt.loss_fn(model), _init(model), batches
-
-
-def _tp_gpt():
-  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=1, n_heads=2,
-                         tp_axis="tp")
-  model = gpt.GPT(config)
-  batches = [gpt.random_batch(config, jax.random.PRNGKey(i), 8, pattern_seed=1) for i in range(3)]
-  return gpt.loss_fn(model), _init(model), batches
+def _tokens(make, **kw):
+  """(loss, params, 3 token batches) of a one-block GPT made by `models.moe_gpt`/`tp_gpt`."""
+  config, loss, params = make(n_layers=1, **kw)
+  return loss, params, [gpt.random_batch(config, jax.random.PRNGKey(i), 8, pattern_seed=1)
+                        for i in range(3)]
 
 
 def test_save_under_dp_restore_under_pp(tmp_path):
@@ -138,10 +125,10 @@ def test_split_pieces_to_unsplit_and_back(kind, tmp_path):
   # Expert (shard) and tensor (shard_tensor) parallel pieces, ZeRO-3 over the copies of
   # each piece, restored into whole leaves without the split and split again.
   if kind == "ep":
-    loss, params, batches = _moe()
+    loss, params, batches = _tokens(moe_gpt)
     split, tx = pj.shard({"EP": "*"}, [0, 1]), MOE_TX
   else:
-    loss, params, batches = _tp_gpt()
+    loss, params, batches = _tokens(tp_gpt)
     split, tx = pj.shard_tensor({}, [0, 1]), optimizer()
   pieces, whole = _compile(loss, tx, params, batches,
                            [pj.replicate({}, [0, 1, 2, 3], zero=3), split],
@@ -154,7 +141,7 @@ def test_bf16_sharded_masters(tmp_path):
   # bf16 compute under EP x ZeRO-2 keeps the fp32 masters sharded over the data-parallel
   # copies; the checkpoint holds those fp32 masters, whole, and restores them under a
   # strategy that replicates them and back.
-  loss, params, batches = _moe(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  loss, params, batches = _tokens(moe_gpt, dtype=jnp.bfloat16, param_dtype=jnp.float32)
   sharded, replicated = _compile(loss, MOE_TX, params, batches,
                                  [pj.replicate({}, [0, 1, 2, 3], zero=2), pj.shard({"EP": "*"}, [0, 1])],
                                  [pj.replicate({}, [0, 1])])

@@ -18,8 +18,8 @@ import optax
 import pytest
 
 import piper_jax as pj
-from examples import gpt, moe
-from models import assert_same_run, init_mlp, mlp_loss, piper_run, random_batch, reference_run
+from models import (assert_same_run, init_mlp, mlp_loss, moe_gpt, piper_run, random_batch,
+                    reference_run, tp_gpt)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,31 +30,6 @@ MOE_TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-6,
 
 def _mlp(n_stages, tied=False):
   return mlp_loss(n_stages, tied), init_mlp(jax.random.PRNGKey(0), n_stages, tied)
-
-
-def _moe(n_stages):
-  config = moe.MoEConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_stages=n_stages,
-                         n_layers=max(2, n_stages))
-  model = moe.MoEGPT(config)
-  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
-
-
-def _tp_gpt(n_stages=1, tied=False):
-  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=max(2, n_stages),
-                         n_heads=2, n_stages=n_stages, tp_axis="tp", tie_embeddings=tied)
-  model = gpt.GPT(config)
-  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
-
-
-@pytest.fixture
-def batches_of(monkeypatch):
-  import models
-
-  def use(config):
-    monkeypatch.setattr(models, "random_batch",
-                        lambda rng, n: gpt.random_batch(config, rng, n, pattern_seed=1))
-
-  return use
 
 
 # Pipelines x DP 2 over 4 devices, the MLP with one region per stage; 2 microbatches
@@ -91,7 +66,7 @@ def test_tied_parameters(schedule, n_stages, dp, zero):
 @pytest.mark.parametrize("schedule,n_stages,dp,zero", [
     ("zb", 2, 2, 1), ("interleaved", 4, 2, 1), ("gpipe", 2, 4, 3)])
 def test_expert_parallel_x_pipeline(schedule, n_stages, dp, zero, batches_of):
-  config, loss, params = _moe(n_stages)
+  config, loss, params = moe_gpt(n_stages)
   batches_of(config)
   directives = pj.strategies.pipeline(n_stages, 2, schedule, dp=dp, zero=zero)
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
@@ -104,7 +79,7 @@ def test_expert_parallel_x_pipeline(schedule, n_stages, dp, zero, batches_of):
 
 @pytest.mark.parametrize("kind", ["alone", "dp2_zero2"])
 def test_tensor_parallel_without_pipeline(kind, batches_of):
-  config, loss, params = _tp_gpt()
+  config, loss, params = tp_gpt()
   batches_of(config)
   if kind == "alone":  # TP 2, no DP
     directives = [pj.replicate({}, [0, 1]), pj.shard_tensor({}, [0, 1])]
@@ -118,7 +93,7 @@ def test_tensor_parallel_without_pipeline(kind, batches_of):
 # (GPTConfig.tie_embeddings): the token embedding on rank 0 is the head on rank 1.
 @pytest.mark.parametrize("schedule,n_stages,tied", [("zb", 2, True), ("dualpipev", 4, False)])
 def test_tensor_parallel_x_pipeline(schedule, n_stages, tied, batches_of):
-  config, loss, params = _tp_gpt(n_stages, tied=tied)
+  config, loss, params = tp_gpt(n_stages, tie_embeddings=tied)
   batches_of(config)
   directives = pj.strategies.pipeline(n_stages, _n_mb(schedule), schedule, dp=2)
   directives.append(pj.shard_tensor({}, [0, 2, 1, 3]))

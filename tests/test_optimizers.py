@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import piper_jax as pj
-from models import assert_same_run, init_mlp, mlp_loss
+from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, tp_gpt
 from piper_jax.lowering.optimizer import packed_update_reason
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,29 +63,19 @@ MASKED = optax.chain(optax.clip_by_global_norm(0.5),
                      optax.adamw(1e-2, eps=1e-6, weight_decay=0.5, mask=_no_decay_on_vectors))
 
 
-def _gpt(module, config_cls, **kw):
-  from examples import gpt
-  config = config_cls(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, **kw)
-  model = getattr(module, "MoEGPT" if module.__name__.endswith("moe") else "GPT")(config)
-  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
-
-
 @pytest.mark.parametrize("kind", ["ep_x_zero2", "tp_x_dp", "dualpipev_zero2"])
-def test_masked_adamw_under_split_and_pipelined_strategies(kind, monkeypatch):
-  import models
-  from examples import gpt, moe
+def test_masked_adamw_under_split_and_pipelined_strategies(kind, batches_of):
   if kind == "dualpipev_zero2":
     loss, params = mlp_loss(4), init_mlp(jax.random.PRNGKey(0), 4)
     directives = pj.strategies.pipeline(4, 4, "dualpipev", dp=2, zero=2)
   else:
     if kind == "ep_x_zero2":
-      config, loss, params = _gpt(moe, moe.MoEConfig)
+      config, loss, params = moe_gpt()
       directives = [pj.replicate({}, [0, 1, 2, 3], zero=2), pj.shard({"EP": "*"}, [0, 1])]
     else:
-      config, loss, params = _gpt(gpt, gpt.GPTConfig, tp_axis="tp")
+      config, loss, params = tp_gpt()
       directives = [pj.replicate({}, [0, 1, 2, 3]), pj.shard_tensor({}, [0, 1])]
-    monkeypatch.setattr(models, "random_batch",
-                        lambda rng, n: gpt.random_batch(config, rng, n, pattern_seed=1))
+    batches_of(config)
   step, state = assert_same_run(loss, params, directives, tx=MASKED, batch_size=8)
   assert step.leaf_update is not None
   # The state round-trips through the canonical (checkpoint) layout.
