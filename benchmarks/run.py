@@ -41,13 +41,13 @@ segments instead of reading them unpacked once per step; `+nodistopt` runs ZeRO-
 without the distributed optimizer (replicated fp32 parameters, all-gathered in fp32
 after the update); `+nocolsum` sums bias gradients without their own optimization
 barrier; `+nowidegrad` has a pipeline's bf16 weight-gradient GEMMs write bf16
-(`regions.WIDE_WEIGHT_GRADS` off); `+nocmdbuf` compiles with XLA's own command buffers
+(`LoweringOptions.wide_weight_grads` off); `+nocmdbuf` compiles with XLA's own command buffers
 (`compiler_options={}`), not piper-jax's, which run a pipeline's conditionals and loop
 as CUDA graphs; `+remat` compiles with `remat=True` (elementwise residuals recomputed
 from a value stored in their place; pipelines do so by default, `+noremat` turns it
 off); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
-not the smaller ones they are cheaply made from (`regions.SLIM_CARRY` off); `+deeproll`
-lets the rolled loop carry values up to 4 iterations (`rolling.MAX_CARRY_DEPTH`), so that
+not the smaller ones they are cheaply made from (`LoweringOptions.slim_carry` off); `+deeproll`
+lets the rolled loop carry values up to 4 iterations (`LoweringOptions.max_carry_depth`), so that
 DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
 `+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
@@ -70,7 +70,6 @@ session 20 left out), and the ratio of tokens/s to the matching plain-JAX baseli
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -79,7 +78,6 @@ import re
 import subprocess
 import sys
 import time
-from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -300,38 +298,22 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
-    from piper_jax.lowering import regions, rolling
-    from piper_jax.lowering.layout import ParamLayout
-    from piper_jax.lowering.trace import TracedLoss
-    # For A/B runs: "+nocast", weights sliced and cast by every task, not once per step;
-    # "+taskcast", so in pipelines only; "+nounpack", a pipeline's tasks slice their
-    # weights from the cast segments, not unpacked once per step; "+nodistopt", ZeRO-1/2
-    # without the distributed optimizer (replicated fp32 masters, all-gathered in fp32);
-    # "+nocolsum", bias gradients summed without their own barrier; "+nowidegrad", bf16
-    # weight-gradient GEMMs; "+nocmdbuf", XLA's default command buffers; "+noslimcarry",
-    # ZB's BI handing BW the values BW reads, not the smaller ones they are made from.
-    with contextlib.ExitStack() as patches:
-      if "nocast" in mods:
-        patches.enter_context(mock.patch.object(TracedLoss, "param_casts", lambda self: {}))
-      if "taskcast" in mods:
-        patches.enter_context(mock.patch.object(ParamLayout, "cast_in_pipelines", False))
-      if "nounpack" in mods:
-        patches.enter_context(mock.patch.object(ParamLayout, "unpack_in_pipelines", False))
-      if "nodistopt" in mods:
-        patches.enter_context(mock.patch.object(ParamLayout, "shards_masters", False))
-      if "nocolsum" in mods:
-        patches.enter_context(mock.patch.object(regions, "COLUMN_SUM_ROWS", 0))
-      if "noslimcarry" in mods:
-        patches.enter_context(mock.patch.object(regions, "SLIM_CARRY", False))
-      if "nowidegrad" in mods:
-        patches.enter_context(mock.patch.object(regions, "WIDE_WEIGHT_GRADS", False))
-      if "deeproll" in mods:
-        patches.enter_context(mock.patch.object(rolling, "MAX_CARRY_DEPTH", 4))
-      t0 = time.perf_counter()
-      call = pj.compile(loss_fn, tx, directives, params, batches[0], roll="noroll" not in mods,
-                        compiler_options={} if "nocmdbuf" in mods else None,
-                        remat=True if "remat" in mods else False if "noremat" in mods else None)
-      sim["build_s"] = time.perf_counter() - t0  # tracing, planning, region analysis
+    # A/B variants choose lowering options (see the module docstring for each suffix).
+    options = pj.LoweringOptions(
+        roll="noroll" not in mods,
+        max_carry_depth=4 if "deeproll" in mods else 1,
+        remat=True if "remat" in mods else False if "noremat" in mods else None,
+        cast_weights="nocast" not in mods,
+        cast_in_pipelines="taskcast" not in mods,
+        unpack_in_pipelines="nounpack" not in mods,
+        shard_masters="nodistopt" not in mods,
+        column_sum_rows=0 if "nocolsum" in mods else pj.LoweringOptions.column_sum_rows,
+        wide_weight_grads="nowidegrad" not in mods,
+        slim_carry="noslimcarry" not in mods,
+        compiler_options={} if "nocmdbuf" in mods else None)
+    t0 = time.perf_counter()
+    call = pj.compile(loss_fn, tx, directives, params, batches[0], options=options)
+    sim["build_s"] = time.perf_counter() - t0  # tracing, planning, region analysis
     state = call.init(params)
     if base.startswith("pp-"):
       report = call.plan.simulate("flops")

@@ -260,6 +260,7 @@ def main(argv=None) -> dict:
   step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
                     devices=devices, roll=args.roll, remat=args.remat)
   print(step.plan)
+  print(f"lowering options: {step.options.changed() or 'the defaults'}")
   if step.rolled:
     w = step.rolled
     print(f"ticks {w.start}-{w.stop - 1} run as {w.iters} iterations of {w.length} ticks")

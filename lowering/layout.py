@@ -18,15 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.plan import Plan
+from piper_jax.lowering.options import LoweringOptions
 
 __all__ = ["ParamLayout", "Home", "match_positions", "signature"]
 
 SHARED = -1  # the slot index of the buffer every rank holds (tied or unused parameters)
 SPLIT = -2   # the slot index of leaves split by shard / shard_tensor (kept unpacked)
-# A region's leaves of one dtype fill slots of at most this many bytes (a larger leaf
-# gets a slot of its own): every slot is its own buffer, so the optimizer updates one
-# slot while another's gradients are still being reduced.
-SLOT_BYTES = 64 << 20
 
 
 def signature(aval) -> tuple:
@@ -69,11 +66,11 @@ def _whole(x: jax.Array, dim: int) -> jax.Array:
   return x.reshape(s[:dim] + (s[dim] * s[dim + 1],) + s[dim + 2:])
 
 
-def _fill_slots(leaves: Sequence[tuple]) -> tuple[list[tuple[int, int]], int]:
+def _fill_slots(leaves: Sequence[tuple], slot_bytes: int) -> tuple[list[tuple[int, int]], int]:
   """Slots and offsets of packed leaves, given per leaf (rank, group, dtype, size); rank
   None: the SHARED segment; a group is (region slot, cast or not).
 
-  A group's leaves of one dtype fill parts of at most SLOT_BYTES in order (a larger
+  A group's leaves of one dtype fill parts of at most `slot_bytes` in order (a larger
   leaf gets a part of its own). A group's parts on different ranks share slot indices
   largest with largest, so that little of a slot's buffer is padding on the ranks with
   smaller parts. Returns per leaf (slot, offset) and the number of slots.
@@ -87,7 +84,7 @@ def _fill_slots(leaves: Sequence[tuple]) -> tuple[list[tuple[int, int]], int]:
     else:
       k = last.setdefault((rank, j, dt), 0)
       n = fill.get((rank, (j, k), dt), 0)
-      if n and n + size > SLOT_BYTES // jnp.dtype(dt).itemsize:
+      if n and n + size > slot_bytes // jnp.dtype(dt).itemsize:
         k = last[(rank, j, dt)] = k + 1
       key = (rank, (j, k), dt)
     where.append((key, fill.get(key, 0)))
@@ -119,7 +116,7 @@ class ParamLayout:
   """Parameter leaves packed per (pipeline rank, slot, dtype), in dp-sized chunks.
 
   The leaves of the j-th region placed on rank i fill slots (j, 0), (j, 1), ... of
-  rank i, each of at most SLOT_BYTES; slots are numbered across ranks in that order
+  rank i, each of at most `options.slot_bytes`; slots are numbered across ranks in that order
   (leaves read on several ranks go to the SHARED segment that every rank holds). A
   segment is padded to `n_dp * chunk` and stored as `n_dp` chunks, so that ZeRO-3
   shards it by keeping one chunk per replica. Buffers per dtype: `slots[dtype]`, a
@@ -127,15 +124,10 @@ class ParamLayout:
   `shared[dtype]`: [n_dp, C_shared].
   """
 
-  # benchmarks/run.py's A/B switches of the choices below: "+taskcast" (pipeline tasks
-  # cast their own weights) and "+nounpack" (pipeline tasks slice their weights from the
-  # cast segments).
-  cast_in_pipelines = True
-  unpack_in_pipelines = True
-
   def __init__(self, model: ModelSpec, plan: Plan,
                split: dict[int, tuple[int, str]] | None = None,
-               casts: dict[int, str] | None = None):
+               casts: dict[int, str] | None = None, options: LoweringOptions | None = None):
+    self.options = options = options or LoweringOptions()
     mesh = plan.mesh
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
     self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
@@ -150,7 +142,7 @@ class ParamLayout:
     # (Pipelines once cast in every task instead, for compile time; with the rolled
     # loop and its command buffers, casting once is faster and compiles faster: 268M
     # 1F1B 48.8 vs 50.0 ms, 27 vs 32 s, run AZ.)
-    if self.n_pp > 1 and self.zero < 3 and not self.cast_in_pipelines:
+    if self.n_pp > 1 and self.zero < 3 and not options.cast_in_pipelines:
       casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
     self.cast_to: dict[str, str] = {}
@@ -184,7 +176,7 @@ class ParamLayout:
         packed.append((p, ranks.pop(), group, spec.dtype, spec.size))
       else:
         packed.append((p, None, None, spec.dtype, spec.size))
-    placed, self.n_slots = _fill_slots([x[1:] for x in packed])
+    placed, self.n_slots = _fill_slots([x[1:] for x in packed], options.slot_bytes)
     for (p, rank, _, dt, size), (slot, off) in zip(packed, placed):
       homes[p] = Home(rank, slot, dt, off, size, model.params[p].shape)
     self.home: list[Home] = [homes[p] for p in range(len(model.params))]
@@ -216,7 +208,7 @@ class ParamLayout:
     # and its head on the last share one); a rank fills the others' with zeros.
     self.unpacked_positions: list[tuple] = []
     self.unpacked_pos: dict[int, int] = {}
-    if self.n_pp > 1 and self.zero < 3 and self.unpack_in_pipelines:
+    if self.n_pp > 1 and self.zero < 3 and options.unpack_in_pipelines:
       per_rank: dict[int, list] = {}
       for p in sorted(self.cast):
         h = self.home[p]
@@ -239,7 +231,8 @@ class ParamLayout:
     bf16 (half the bytes of gathering the fp32 parameters after the update, which
     ZeRO-1/2 otherwise do), and the gathered copy lives for the step only.
     """
-    return self.zero in (1, 2) and self.n_dp > 1 and any(j != SHARED for j, _ in self.cast_slots)
+    return (self.options.shard_masters and self.zero in (1, 2) and self.n_dp > 1
+            and any(j != SHARED for j, _ in self.cast_slots))
 
   # -- shapes and shardings -------------------------------------------------
 

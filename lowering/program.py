@@ -29,7 +29,7 @@ from jax import lax
 
 from piper_jax.ir.graph import Pass
 from piper_jax.ir.plan import Plan, Task
-from piper_jax.lowering import regions
+from piper_jax.lowering.options import LoweringOptions
 from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions, signature
 from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
@@ -88,30 +88,33 @@ PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFER
 class Program:
   """The per-tick lowering of a plan; `body` is the shard_map body of one step."""
 
-  def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout, roll: bool = False,
-               remat: bool = False, order_collectives: bool = False):
+  def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout,
+               options: LoweringOptions | None = None, order_collectives: bool = False):
+    """`options.remat` None is taken as False here; `pj.compile` resolves it."""
+    self.options = options = options or LoweringOptions()
     self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
     self.model = runner.spec
     mesh = plan.mesh
     self.data_axes = mesh.data_axes
     self.n_data = mesh.n_data
     self.ep = mesh.size("ep")
-    self.ad: dict[int, RegionAD] = {r.index: analyze_region(runner, r.index, remat)
+    self.ad: dict[int, RegionAD] = {r.index: analyze_region(runner, r.index, bool(options.remat))
                                     for r in self.model.regions}
     self.split: dict[int, BackwardSplit] = {}
-    wide = regions.WIDE_WEIGHT_GRADS and plan.n_microbatches > 1
+    wide = options.wide_weight_grads and plan.n_microbatches > 1
     for t in plan.tasks.values():
       if t.pass_ in (Pass.B, Pass.BI) and t.region not in self.split:
         out_avals = runner.out_avals(t.region)
         cts = [out_avals[k] for k in self.ad[t.region].float_outs]
-        self.split[t.region] = split_backward(self.ad[t.region], cts, runner.axis_env, wide)
+        self.split[t.region] = split_backward(self.ad[t.region], cts, runner.axis_env, wide,
+                                              options.slim_carry, options.column_sum_rows)
     self.n_mb = plan.n_microbatches
     self.mbs = self.model.batch_size
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self._plan_grads()
     self._plan_values()
-    self.window = find_window(self) if roll else None
+    self.window = find_window(self, max_depth=options.max_carry_depth) if options.roll else None
     self._passes: dict[tuple, Any] = {}
     # XLA's CPU runtime runs independent operations concurrently, in any order, and a
     # conditional does not count as a collective: a device could enter a tick's switch

@@ -239,32 +239,6 @@ def region_forward(ad: RegionAD, params, batch, acts):
   return outs, [env[v] for v in ad.stored]
 
 
-# A bias's gradient is a sum over the rows of an output's cotangent. XLA fuses that
-# column sum into the fusion of another reader of the cotangent (LayerNorm's backward):
-# at a pipeline microbatch's 2048 rows x 1024 that fusion took 79 us a call on an H200,
-# many times what the two kernels take apart. Summing a copy that has passed an
-# optimization barrier gives the sum its own kernel: 268M 1F1B ran 15% faster. At
-# 8192 rows (data parallel, 8 sequences a device) the fused kernel is fast and the
-# separate sum cost 1-6%, so only sums over at most this many rows are isolated.
-COLUMN_SUM_ROWS = 4096
-
-# A weight gradient of a bf16 matmul is a bf16 GEMM, then a convert to the fp32
-# parameter's dtype, then (per microbatch) an add to the fp32 sum. With this on, a
-# region run over several microbatches has the GEMM write fp32 itself (Megatron
-# accumulates so, into `main_grad`): no bf16 rounding, no convert, and XLA folds the
-# add into the GEMM's output. On 2 x H200 the 268M 1F1B ran 6% faster, ZB-H1 8%,
-# the 1.34B 1F1B 2%; without microbatches (data parallel) it gained nothing.
-WIDE_WEIGHT_GRADS = True
-
-
-# ZB's BI hands BW the values BW's equations read. With this on, BW redoes the cheap
-# equations that make a handed value from a smaller one (LayerNorm's f32 cotangents
-# from the bf16 matmul output they are cast from): on the 268M GPT's last stage, 484
-# MiB a microbatch instead of 688 (CPU trace). On 2 x H200 the 268M ZB-H1 ran 77.0
-# ms against 78.7 and compiled in 31 s against 35.
-SLIM_CARRY = True
-
-
 def _column_sum(eqn, max_rows: int) -> bool:
   if eqn.primitive.name != "reduce_sum":
     return False
@@ -351,10 +325,12 @@ def _needed(eqns, outvars) -> list[bool]:
   return keep
 
 
-def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> BackwardSplit:
+def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False,
+                   slim_carry: bool = True, column_sum_rows: int = 4096) -> BackwardSplit:
   """Traces region B once and partitions its equations into BI and BW (B runs them all).
 
-  `wide`: bf16 weight-gradient GEMMs write fp32 (for gradients summed over microbatches).
+  `wide`: bf16 weight-gradient GEMMs write fp32 (for gradients summed over microbatches);
+  `slim_carry` and `column_sum_rows`: as `LoweringOptions` says.
   """
   def bwd(res, cts):
     d_params, d_acts = jax.tree_util.tree_unflatten(ad.res_tree, res)(list(cts))
@@ -372,14 +348,14 @@ def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> B
   for v in [v for e in bw_eqns for v in e.invars] + list(j.outvars[:n_p]):
     if not isinstance(v, Literal) and v in bi_defined and v not in carry:
       carry.append(v)
-  if SLIM_CARRY and carry:
+  if slim_carry and carry:
     defined = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
     carry, redo, _ = _plan_recompute(j, carry, set(j.invars) | set(j.constvars), defined, True)
     bw_idx = {i for i, (k, b) in enumerate(zip(bw_keep, bi_keep)) if k and not b} | redo
     bw_eqns = [j.eqns[i] for i in sorted(bw_idx)]
   wide = _weight_grad_dots(j.eqns, j.outvars, j.outvars[:n_p]) if wide else frozenset()
   return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p,
-                       _Rewrite(COLUMN_SUM_ROWS, wide))
+                       _Rewrite(column_sum_rows, wide))
 
 
 def _env(split: BackwardSplit, res, cts) -> dict:

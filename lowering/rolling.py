@@ -19,7 +19,7 @@ then sees those ticks once instead of `iters` times):
 * the ticks after the loop read only the last iteration's values (`carry` shifted,
   and `exits`).
 
-Where no such window exists, one whose values are read up to `MAX_CARRY_DEPTH`
+Where no such window exists, one whose values are read up to `LoweringOptions.max_carry_depth`
 iterations after they are made may be: the carry then holds a value for each iteration
 back, passed one slot deeper each iteration, and the ticks after the loop may read
 the values of as many last iterations.
@@ -33,14 +33,6 @@ import dataclasses
 from typing import Any
 
 __all__ = ["Window", "find_window", "shift_loc"]
-
-# How many iterations back a loop may carry a value when no loop carries values for
-# one iteration only (each deeper slot is a copy per iteration; from 2 on, a body may
-# also read a carried value in the tick that makes its successor, another copy). 1
-# keeps the loops measured on GPUs; DualPipeV and interleaved on 2 ranks with 8
-# microbatches roll from 2 on. Not yet measured on GPUs: `benchmarks/run.py`'s
-# `+deeproll` sets 4.
-MAX_CARRY_DEPTH = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,15 +203,16 @@ def _loop_of(prog: Any, reads: list, start: int, end: int, length: int, shift: i
 
 
 def find_window(prog: Any, min_iters: int = 2, max_period: int = 4,
-                max_depth: int | None = None) -> Window | None:
+                max_depth: int = 1) -> Window | None:
   """The steady-state window that removes the most ticks from the unrolled program: one
   whose values live less than an iteration if there is one, else one that carries
-  values up to `max_depth` (default `MAX_CARRY_DEPTH`) iterations, copied one slot
-  deeper each iteration."""
+  values up to `max_depth` iterations, copied one slot deeper each iteration (from 2
+  on, a body may also read a carried value in the tick that makes its successor:
+  another copy)."""
   n = len(prog.plan.ticks)
   reads = [_reads(prog, t) for t in range(n)]
   far = [_farthest(r, t) for t, r in enumerate(reads)]
-  for depth in range(1, (MAX_CARRY_DEPTH if max_depth is None else max_depth) + 1):
+  for depth in range(1, max_depth + 1):
     w = _find_window(prog, reads, far, min_iters, max_period, depth)
     if w is not None:
       return w

@@ -7,6 +7,7 @@ from piper_jax.ir.directives import (Directive, Order, Place, Replicate, Shard, 
                                      dump_directives, load_directives, order, place, replicate,
                                      shard, shard_tensor, split)
 from piper_jax.ir.errors import DirectiveError, PlanError
+from piper_jax.lowering.options import LoweringOptions
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,7 @@ __all__ = [
     "annotate",
     "compile",
     "plan",
+    "LoweringOptions",
     "TrainStep",
     "TrainState",
     "place",

@@ -145,8 +145,8 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
       matrix products at an accelerator's default precision, TF32 on NVIDIA GPUs).
     sgd: also compare one SGD step's gradients (compiles the strategy a second time).
     loss_fn: the loss the step was compiled from; default `step.loss_fn`.
-    compile_kwargs: more keyword arguments for the SGD step's `pj.compile` (`roll`,
-      `remat`, `compiler_options`).
+    compile_kwargs: more keyword arguments for the SGD step's `pj.compile` (`options`:
+      `TrainStep.check` passes the step's own, so that the same program runs).
 
   Returns:
     A `CheckReport`; `print` it for a table, test `.passed`.

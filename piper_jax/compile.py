@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import dataclasses
+
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -16,6 +18,7 @@ from piper_jax.lowering import compat
 from piper_jax.lowering.layout import ParamLayout
 from piper_jax.lowering.local import RegionRunner, SplitAxis
 from piper_jax.lowering.optimizer import packed_update_reason
+from piper_jax.lowering.options import LoweringOptions
 from piper_jax.lowering.program import Program
 from piper_jax.lowering.trace import check_leaf, trace_loss
 
@@ -91,13 +94,11 @@ class TrainStep:
 
   def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                directives: Sequence[Directive] | str, params: Any, example_batch: Any,
-               devices: Sequence[jax.Device] | None = None, roll: bool = True,
-               compiler_options: dict | None = None, remat: bool | None = None):
+               devices: Sequence[jax.Device] | None = None,
+               options: LoweringOptions | None = None):
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
     self.loss_fn, self.optimizer = loss_fn, optimizer
-    # What `check` compiles its SGD step with, so that it runs the same program.
-    self._compile_kwargs = {"roll": roll, "remat": remat, "compiler_options": compiler_options}
     traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch, len(self.devices))
     pm = plan.mesh
     batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
@@ -105,11 +106,15 @@ class TrainStep:
     self.batch_size = batch_size
     self._traced = traced
     split = {p: (d, pm.sharded[r]) for r, dims in pm.split_dims.items() for p, d in dims.items()}
-    self._layout = layout = ParamLayout(traced.spec, plan, split, traced.param_casts())
+    options = options or LoweringOptions()
+    if options.remat is None:  # faster and smaller in every pipeline measured
+      options = dataclasses.replace(options, remat=pm.n_pp > 1)
+    self.options: LoweringOptions = options
+    casts = traced.param_casts() if options.cast_weights else {}
+    self._layout = layout = ParamLayout(traced.spec, plan, split, casts, options)
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
     runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
-    remat = pm.n_pp > 1 if remat is None else remat
-    self._program = Program(runner, plan, layout, roll=roll, remat=remat,
+    self._program = Program(runner, plan, layout, options,
                             order_collectives=self.devices[0].platform == "cpu")
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
@@ -164,6 +169,7 @@ class TrainStep:
       params = optax.apply_updates(params, updates)
       return TrainState(layout.pack(jax.tree_util.tree_leaves(params)), opt_state, self), loss
 
+    compiler_options = options.compiler_options
     if compiler_options is None:
       device = self.devices[0]
       rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
@@ -276,7 +282,7 @@ class TrainStep:
 
   @property
   def rolled(self):
-    """The ticks run as one loop (`compile(roll=True)`, the default): a `Window` with
+    """The ticks run as one loop (`LoweringOptions.roll`, the default): a `Window` with
     `start`, `stop`, `length` and `iters`, or None when the step unrolls every tick."""
     return self._program.window
 
@@ -288,7 +294,7 @@ class TrainStep:
     `piper_jax.check.check` (`reference`, `rtol`, `sgd`).
     """
     from piper_jax.check import check
-    kwargs.setdefault("compile_kwargs", self._compile_kwargs)
+    kwargs.setdefault("compile_kwargs", {"options": self.options})
     return check(self, params, batch, steps=steps, **kwargs)
 
   def lower(self, state: TrainState, batch: Any):
@@ -360,34 +366,26 @@ def _is_buffers(x) -> bool:
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
             params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None,
-            roll: bool = True, compiler_options: dict | None = None,
-            remat: bool | None = None) -> TrainStep:
+            options: LoweringOptions | None = None, *, roll: bool | None = None,
+            remat: bool | None = None, compiler_options: dict | None = None) -> TrainStep:
   """Compiles a training step of `loss_fn(params, batch)` under a directive list.
 
   Args:
     loss_fn: the mean loss over the batch's leading axis, with `pj.annotate` regions.
-    optimizer: an optax transformation (elementwise, optionally with global norms).
+    optimizer: any optax transformation (see `TrainStep.leaf_update`).
     directives: a list of directives, Piper JSON dicts, or a path to a Piper JSON file.
     params: the parameters (or their shapes) the step will train.
     example_batch: a batch (or its shapes) with the global batch size.
     devices: the devices directive indices refer to; default `jax.devices()`.
-    roll: run the schedule's steady state (ticks that repeat with later microbatches)
-      as one `lax.fori_loop`, which XLA compiles once (the default; a schedule without
-      a steady state unrolls anyway). False unrolls every tick: a longer compile, for
-      a slightly lower peak (24.3 vs 26.8 GiB on the 1.34B GPT's 1F1B).
-    compiler_options: XLA options for the step's `jax.jit`. None takes piper-jax's: on
-      GPUs, a pipeline's per-tick conditional and rolled loop run as CUDA graphs
-      (`xla_gpu_enable_command_buffer` and `xla_gpu_graph_min_graph_size`, each unless
-      XLA_FLAGS names it); `{}` takes XLA's.
-    remat: B recomputes a residual made by elementwise equations from one value F
-      stores in its place when that is no larger (GELU's intermediates from the matmul
-      before them, LayerNorm's from its input and statistics). None (the default) does
-      so in pipelines only, where it measured faster and smaller: the 268M GPT's 1F1B
-      49.0 instead of 50.0 ms at 5.1 instead of 6.2 GiB on 2 x H200, the 1.34B's 190.2
-      instead of 194.0 ms at 20.6 instead of 23.7 GiB.
+    options: a `LoweringOptions`, every switch of how the plan is lowered; None takes
+      the defaults. None of them changes the numbers.
+    roll, remat, compiler_options: shorthands for the options of those names, which
+      they replace when given.
 
   Returns:
     A `TrainStep`.
   """
-  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, roll,
-                   compiler_options, remat)
+  given = {k: v for k, v in (("roll", roll), ("remat", remat),
+                             ("compiler_options", compiler_options)) if v is not None}
+  options = dataclasses.replace(options or LoweringOptions(), **given)
+  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, options)

@@ -193,6 +193,6 @@ def test_train_gpt_check_stops_on_a_failed_report(monkeypatch, capsys):
   with pytest.raises(train_gpt.CheckFailed, match="1 failed comparison"):
     train_gpt.main(["--strategy", "zero1", "--batch", "8", "--steps", "1", "--quiet",
                     "--data", "synthetic", "--check"])
-  assert seen["steps"] == 2 and seen["compile_kwargs"]["roll"] is True
+  assert seen["steps"] == 2 and seen["compile_kwargs"]["options"].roll is True
   out = capsys.readouterr().out
   assert "check FAILED" in out and "['w']" in out

@@ -90,14 +90,13 @@ def test_gpt_remat_zero_bubble(monkeypatch):
 
 
 def test_zero_bubble_slim_carry(monkeypatch):
-  # regions.SLIM_CARRY: BW redoes the casts that made LayerNorm's f32 cotangents and
+  # LoweringOptions.slim_carry (the default): BW redoes the casts that made LayerNorm's f32 cotangents and
   # takes the bf16 values from BI instead; fewer bytes handed over, the same run (fp32).
   import jax.numpy as jnp
   import models
   from piper_jax.lowering import regions
   config, loss, params = _gpt(2)
   monkeypatch.setattr(models, "random_batch", _batches(config))
-  monkeypatch.setattr(regions, "SLIM_CARRY", True)
   step, _ = assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "zb"), batch_size=4)
   _, bf16_loss, bf16_params = _gpt(2, dtype=jnp.bfloat16)
   bf16 = pj.compile(bf16_loss, models.optimizer(), pj.strategies.pipeline(2, 2, "zb"), bf16_params,
@@ -106,8 +105,7 @@ def test_zero_bubble_slim_carry(monkeypatch):
   cts = [prog.runner.out_avals(1)[k] for k in prog.ad[1].float_outs]
   nbytes = lambda split: sum(a.size * a.dtype.itemsize for a in split.carry_avals)
   slim = prog.split[1]
-  monkeypatch.setattr(regions, "SLIM_CARRY", False)
-  wide = regions.split_backward(prog.ad[1], cts, prog.runner.axis_env)
+  wide = regions.split_backward(prog.ad[1], cts, prog.runner.axis_env, slim_carry=False)
   assert nbytes(slim) < nbytes(wide)
   assert not any(a.dtype == jnp.float32 and a.ndim == 3 for a in slim.carry_avals)
 
@@ -159,7 +157,7 @@ def test_cheap_residuals_are_recomputed_not_stored(monkeypatch):
 
 
 def test_wide_weight_gradients(monkeypatch):
-  # regions.WIDE_WEIGHT_GRADS (on by default where gradients sum over microbatches): a
+  # LoweringOptions.wide_weight_grads (on by default where gradients sum over microbatches): a
   # bf16 matmul's weight gradient is a GEMM that writes fp32 (no bf16 rounding, no
   # convert); the same training run to bf16 precision as with it off, and
   # no farther from the fp32 reference than the bf16 gradients. Under ZB the GEMMs are
@@ -167,15 +165,13 @@ def test_wide_weight_gradients(monkeypatch):
   import re
   import numpy as np
   import models
-  from piper_jax.lowering import regions
   loss_fn, params, batches = _bf16_gpt_run(monkeypatch)
   tx = models.optimizer()
   directives = pj.strategies.pipeline(2, 2, "zb")
   ref, ref_params = models.reference_run(loss_fn, params, batches, tx)
   wide, wide_params, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
-  monkeypatch.setattr(regions, "WIDE_WEIGHT_GRADS", False)
-  narrow, narrow_params, narrow_step, narrow_state = models.piper_run(loss_fn, params, batches,
-                                                                     tx, directives)
+  narrow, narrow_params, narrow_step, narrow_state = models.piper_run(
+      loss_fn, params, batches, tx, directives, options=pj.LoweringOptions(wide_weight_grads=False))
   for split in step._program.split.values():
     assert len(split.prepare.wide) >= 4  # qkv, attention out, MLP in and out per block
   # (On the CPU the GEMM's bf16 operands are widened first: XLA's CPU runtime has no
@@ -192,19 +188,18 @@ def test_wide_weight_gradients(monkeypatch):
   assert err(wide_params) <= err(narrow_params) * 1.5, (err(wide_params), err(narrow_params))
 
 
-def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, monkeypatch):
+def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, sgd=True):
   """Checks a run with weights cast once (`losses`, final params `got`) against the same
-  run casting in every task (1e-6) and against one device (bf16 compute: 2e-2); returns
-  the step without casts."""
+  run casting in every task (1e-6) and against one device (`assert_same_bf16_run`, with
+  its SGD step unless `sgd` is False); returns the step without casts."""
   import numpy as np
   import models
-  from piper_jax.lowering.trace import TracedLoss
-  monkeypatch.setattr(TracedLoss, "param_casts", lambda self: {})
-  plain, want, plain_step, _ = models.piper_run(loss_fn, params, batches, tx, directives)
+  plain, want, plain_step, _ = models.piper_run(loss_fn, params, batches, tx, directives,
+                                                options=pj.LoweringOptions(cast_weights=False))
   np.testing.assert_allclose(losses, plain, rtol=1e-6)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                          got, want)
-  models.assert_same_bf16_run(loss_fn, params, batches, directives, tx, losses, got)
+  models.assert_same_bf16_run(loss_fn, params, batches, directives, tx, losses, got, sgd=sgd)
   return plain_step
 
 
@@ -240,8 +235,10 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3:
     (a, la), (b, lb) = step(state, batches[0]), step(again, batches[0])
     assert float(la) == float(lb)
     jax.tree_util.tree_map(np.testing.assert_array_equal, step.params(a), step.params(b))
+  # The SGD step once per path: ZeRO-3's bf16 gathers here; the distributed optimizer's
+  # in test_parallel's expert-parallel ZeRO-2 test.
   plain_step = _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got,
-                                      monkeypatch)
+                                      sgd=zero == 3)
   assert not plain_step._layout.cast and not plain_step._layout.shards_masters
 
 
@@ -263,7 +260,6 @@ def test_pipeline_weights_unpacked_once(schedule, zero, monkeypatch):
   import collections
   import jax.numpy as jnp
   import models
-  from piper_jax.lowering.layout import ParamLayout
   n_stages, tied = (2, False) if schedule == "1f1b" else (4, True)
   config, loss_fn, params = _gpt(n_stages, tied=tied, dtype=jnp.bfloat16)
   monkeypatch.setattr(models, "random_batch", _batches(config))
@@ -279,11 +275,12 @@ def test_pipeline_weights_unpacked_once(schedule, zero, monkeypatch):
   # (1F1B: the first rank's embedding and the last rank's head share one).
   per_rank = collections.Counter(layout.home[p].rank for p in layout.cast)
   assert len(layout.unpacked_positions) == max(per_rank.values())
-  monkeypatch.setattr(ParamLayout, "unpack_in_pipelines", False)
-  sliced = pj.compile(loss_fn, tx, directives, params, batches[0])
+  sliced = pj.compile(loss_fn, tx, directives, params, batches[0],
+                      options=pj.LoweringOptions(unpack_in_pipelines=False))
   assert not sliced._layout.unpacked_pos
   assert _bf16_weight_slices(sliced, sliced.init(params), batches[0]) > 2 * len(layout.cast)
-  _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, monkeypatch)
+  _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got,
+                         sgd=schedule == "1f1b")
 
 
 def test_fp32_model_has_no_weight_casts():
@@ -325,7 +322,7 @@ def test_weight_casts_seen_inside_remat_and_jit(monkeypatch):
                     batches[0])
   assert set(pipe._layout.unpacked_pos) == pipe._layout.cast == step._layout.cast
   assert len(pipe._layout.unpacked_positions) == 1  # the two stages' w share a position
-  _same_as_without_casts(loss, params, batches, tx, directives, losses, got, monkeypatch)
+  _same_as_without_casts(loss, params, batches, tx, directives, losses, got, sgd=False)
 
 
 def test_compiled_ops_keep_the_model_names():

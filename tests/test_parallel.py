@@ -13,8 +13,8 @@ import optax
 from jax.extend.core import Jaxpr, Var
 
 import piper_jax as pj
-from examples import gpt, moe
-from models import assert_same_run
+from examples import gpt
+from models import assert_same_run, moe_gpt as _moe, tp_gpt as _tp_gpt
 
 # Adam moves a weight whose gradient is at rounding level (an expert that few tokens
 # reach) by a full step of that noise with eps=1e-8; eps=1e-6 keeps the comparison
@@ -22,31 +22,6 @@ from models import assert_same_run
 MOE_TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-6, weight_decay=0.1))
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _moe(n_stages=1, **kw):
-  kw.setdefault("n_layers", max(2, n_stages))
-  config = moe.MoEConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_stages=n_stages, **kw)
-  model = moe.MoEGPT(config)
-  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
-
-
-def _tp_gpt(n_stages=1):
-  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2,
-                         n_stages=n_stages, tp_axis="tp")
-  model = gpt.GPT(config)
-  return config, gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
-
-
-@pytest.fixture
-def batches_of(monkeypatch):
-  import models
-
-  def use(config):
-    monkeypatch.setattr(models, "random_batch",
-                        lambda rng, n: gpt.random_batch(config, rng, n, pattern_seed=1))
-
-  return use
 
 
 def _split_piece_shapes(state):
@@ -71,21 +46,20 @@ def test_expert_parallel(n, zero, batches_of):
   assert len(a2a) == 2 * 2 * config.n_layers  # in and out of every expert F and B
 
 
-def test_expert_parallel_zero2_bf16_shards_the_masters(monkeypatch):
+def test_expert_parallel_zero2_bf16_shards_the_masters():
   # ZeRO-2 with bf16 compute (the distributed optimizer): the experts' fp32 pieces are
   # sharded over their 2 copies too and gathered as the step starts; the numbers are
   # those of the replicated-parameter ZeRO-2.
   import jax.numpy as jnp
   import models
-  from piper_jax.lowering.layout import ParamLayout
   config, loss, params = _moe(dtype=jnp.bfloat16, param_dtype=jnp.float32)
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), 8, pattern_seed=1) for i in range(2)]
   directives = [pj.replicate({}, [0, 1, 2, 3], zero=2), pj.shard({"EP": "*"}, [0, 1])]
   losses, got, step, state = models.piper_run(loss, params, batches, MOE_TX, directives)
   assert step._layout.shards_masters
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2 // 2}
-  monkeypatch.setattr(ParamLayout, "shards_masters", False)
-  want_losses, want, _, _ = models.piper_run(loss, params, batches, MOE_TX, directives)
+  want_losses, want, _, _ = models.piper_run(loss, params, batches, MOE_TX, directives,
+                                             options=pj.LoweringOptions(shard_masters=False))
   np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                          got, want)
@@ -258,14 +232,12 @@ def _ancestors(jaxpr, i):
   return seen
 
 
-def test_cpu_ticks_wait_for_the_collectives_before_them(monkeypatch):
+def test_cpu_ticks_wait_for_the_collectives_before_them():
   # XLA's CPU runtime runs independent operations in any order, and a conditional holding
   # EP's all_to_all does not count as a collective: a device entering tick t+1's switch
   # while its peer waited in tick t's ppermute hung DualPipeV x EP x ZeRO-1 with the
   # weights sliced per task (3 of 7 runs). On CPU every switch waits for every
   # collective before it.
-  from piper_jax.lowering.layout import ParamLayout
-  monkeypatch.setattr(ParamLayout, "unpack_in_pipelines", False)  # the case that hung
   config, loss, params = _moe(4)
   batch = gpt.random_batch(config, jax.random.PRNGKey(0), 16, pattern_seed=1)
   directives = pj.strategies.pipeline(4, 4, "dualpipev", dp=4, zero=1)
@@ -281,7 +253,9 @@ def test_cpu_ticks_wait_for_the_collectives_before_them(monkeypatch):
           return found
 
   def unordered(order):
-    step = pj.compile(loss, MOE_TX, directives, params, batch, roll=False)
+    # Weights sliced per task: the case that hung.
+    step = pj.compile(loss, MOE_TX, directives, params, batch,
+                      pj.LoweringOptions(roll=False, unpack_in_pipelines=False))
     assert step._program.order_collectives  # the CPU platform
     step._program.order_collectives = order  # False: as on GPUs, where a ppermute may
     state = step.init(params)                # run beside the next tick's work

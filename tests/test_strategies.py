@@ -276,15 +276,14 @@ def test_rolled_steady_state(schedule, stages, dp, zero, tied):
 
 
 @pytest.mark.parametrize("schedule,dp,zero", [("dualpipev", 1, 0), ("dualpipev", 2, 1)])
-def test_rolled_values_carried_over_iterations(schedule, dp, zero, monkeypatch):
+def test_rolled_values_carried_over_iterations(schedule, dp, zero):
   # With 2 stages a rank and 8 microbatches on 2 ranks, a first stage's residuals are
   # read by its B more than one loop body later: the loop carries them as many
   # iterations (a slot deeper each iteration), with the same numbers as unrolled.
-  from piper_jax.lowering import rolling
-  monkeypatch.setattr(rolling, "MAX_CARRY_DEPTH", 4)
   loss, params = _mlp(4)
   directives = pj.strategies.pipeline(4, 8, schedule, dp=dp, zero=zero)
-  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp)
+  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp,
+                                options=pj.LoweringOptions(max_carry_depth=4))
   w = step.rolled
   assert w is not None and w.iters >= 2, w
   assert min(loc[1] for loc in w.carry) < w.start - w.length  # two iterations back
@@ -309,18 +308,17 @@ def test_pipeline_microbatch_shaped_like_a_weight():
 
 
 @pytest.mark.parametrize("strategy", ["dp0", "dp1", "1f1b-dp2-z2", "1f1b-dp2-z3"])
-def test_regions_in_several_slots(strategy, monkeypatch):
-  # A region's leaves fill slots of at most SLOT_BYTES, each its own buffer (so the
+def test_regions_in_several_slots(strategy):
+  # A region's leaves fill slots of at most `slot_bytes`, each its own buffer (so the
   # optimizer can update one while another's gradients are reduced); with 1 KiB slots
   # the MLP's regions take several each.
-  from piper_jax.lowering import layout
-  monkeypatch.setattr(layout, "SLOT_BYTES", 1024)
   loss, params = _mlp(2)
   if strategy.startswith("dp"):
     directives = pj.strategies.data_parallel(8, zero=int(strategy[2]))
   else:
     directives = pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=int(strategy[-1]))
-  step, state = assert_same_run(loss, params, directives)
+  step, state = assert_same_run(loss, params, directives,
+                                options=pj.LoweringOptions(slot_bytes=1024))
   per_rank = max(len(step.plan.rank_regions(r)) for r in range(step.plan.n_ranks))
   assert step._layout.n_slots > per_rank
   assert len(state.params["slots"]["float32"]) == step._layout.n_slots
@@ -489,3 +487,19 @@ def test_debug_print_inside_a_stage(capfd):
   assert_same_run(loss, init_mlp(jax.random.PRNGKey(0), 2), pj.strategies.pipeline(2, 4))
   out = capfd.readouterr().out
   assert "stage 1 rows 4" in out and "stage 0 rows 4" in out  # microbatches of 16 / 4
+
+
+def test_lowering_options_are_one_argument():
+  import dataclasses
+  loss, params = _mlp(2)
+  opts = pj.LoweringOptions(roll=False, slot_bytes=1024)
+  step = pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params, _batch(),
+                    options=opts, remat=False)
+  assert step.options == dataclasses.replace(opts, remat=False)
+  assert step.options.changed() == {"roll": False, "remat": False, "slot_bytes": 1024}
+  assert step.rolled is None and step._layout.n_slots > 1  # 1 KiB slots: several a region
+  # remat=None resolves per strategy: on in pipelines.
+  assert pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params,
+                    _batch()).options.remat is True
+  with pytest.raises(ValueError, match="max_carry_depth must be >= 1"):
+    pj.LoweringOptions(max_carry_depth=0)

@@ -1,0 +1,69 @@
+"""`LoweringOptions`: every switch that changes the program `pj.compile` builds."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+__all__ = ["LoweringOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringOptions:
+  """How a plan is lowered; none of these changes the numbers a step computes.
+
+  Attributes:
+    roll: run the schedule's steady state (ticks that repeat with later microbatches)
+      as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
+      longer compile, for a slightly lower peak).
+    max_carry_depth: how many iterations back the rolled loop may read a value; deeper
+      carries let more schedules roll (DualPipeV and interleaved on 2 ranks with 8
+      microbatches at 4), at the cost of copying carried values each iteration.
+    remat: B recomputes a residual made by elementwise equations from one value F
+      stores in its place when that is no larger; None does so in pipelines only.
+    cast_weights: weights the model reads only in a narrower dtype are cast once per
+      step (in slots of their own), not by every task that reads them.
+    cast_in_pipelines: the same in pipelines below ZeRO-3 (False: each task casts its own).
+    unpack_in_pipelines: a pipeline below ZeRO-3 slices its cast weights into arrays of
+      their own once per step, which every tick passes through, instead of each task
+      slicing its weights from the packed segments.
+    shard_masters: ZeRO-1/2 with weights read in a narrower dtype keep the fp32
+      parameters sharded like the optimizer state and gather them in that dtype as the
+      step starts (the distributed optimizer).
+    slot_bytes: a region's leaves of one dtype fill slots of at most this many bytes,
+      each its own buffer, so that one slot's update can run while another's gradients
+      are still being reduced.
+    column_sum_rows: a bias gradient summed over at most this many rows gets its own
+      kernel (behind an optimization barrier) instead of fusing into another reader.
+    wide_weight_grads: over several microbatches, a bf16 matmul's weight gradient is a
+      GEMM writing fp32, with no bf16 rounding or convert before the sum.
+    slim_carry: ZB's BI hands BW the smaller values BW's cheap equations make the
+      values it reads from, and BW redoes those equations.
+    compiler_options: XLA options for the step's `jax.jit`; None takes piper-jax's (on
+      GPUs a pipeline's conditionals and rolled loop run as CUDA graphs), `{}` XLA's.
+  """
+
+  roll: bool = True
+  max_carry_depth: int = 1
+  remat: bool | None = None
+  cast_weights: bool = True
+  cast_in_pipelines: bool = True
+  unpack_in_pipelines: bool = True
+  shard_masters: bool = True
+  slot_bytes: int = 64 << 20
+  column_sum_rows: int = 4096
+  wide_weight_grads: bool = True
+  slim_carry: bool = True
+  compiler_options: Mapping[str, object] | None = None
+
+  def __post_init__(self):
+    if self.max_carry_depth < 1:
+      raise ValueError(f"max_carry_depth must be >= 1, got {self.max_carry_depth}")
+    if self.slot_bytes < 1:
+      raise ValueError(f"slot_bytes must be >= 1, got {self.slot_bytes}")
+
+  def changed(self) -> dict:
+    """The options that differ from the defaults, for printing with a plan."""
+    default = LoweringOptions()
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)}
