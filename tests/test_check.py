@@ -1,5 +1,7 @@
 """`check`: a correct strategy passes; wrong parameters, a frozen leaf, a wrong gradient fail."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -19,8 +21,18 @@ LOSS = mlp_loss(N_STAGES)
 def _setup(directives, tx=None, loss_fn=LOSS):
   params = init_mlp(jax.random.PRNGKey(0), N_STAGES)
   batch = random_batch(jax.random.PRNGKey(1), 16)
+  if tx is None and loss_fn is LOSS and directives == pj.strategies.pipeline(N_STAGES, 2, "1f1b"):
+    return _pipeline_step(), params, batch
   step = pj.compile(loss_fn, tx or optimizer(), directives, params, batch)
   return step, params, batch
+
+
+@functools.lru_cache(maxsize=None)
+def _pipeline_step():
+  """The 1F1B step most tests check (compiled once: its runs start from `init` anew)."""
+  params = init_mlp(jax.random.PRNGKey(0), N_STAGES)
+  return pj.compile(LOSS, optimizer(), pj.strategies.pipeline(N_STAGES, 2, "1f1b"), params,
+                    random_batch(jax.random.PRNGKey(1), 16))
 
 
 class _Wrapped:

@@ -255,7 +255,7 @@ def test_cpu_ticks_wait_for_the_collectives_before_them():
   def unordered(order):
     # Weights sliced per task: the case that hung.
     step = pj.compile(loss, MOE_TX, directives, params, batch,
-                      pj.LoweringOptions(roll=False, unpack_in_pipelines=False))
+                      options=pj.LoweringOptions(roll=False, unpack_in_pipelines=False))
     assert step._program.order_collectives  # the CPU platform
     step._program.order_collectives = order  # False: as on GPUs, where a ppermute may
     state = step.init(params)                # run beside the next tick's work
