@@ -30,6 +30,15 @@ if _ROOT not in sys.path:
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _free_compiled_programs():
+  """Drops JAX's caches of compiled programs after each test: every CPU executable
+  holds memory maps of its code, and a worker that kept all of the suite's went past
+  the kernel's limit (vm.max_map_count, 65530) and crashed inside XLA's compiler."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture
 def batches_of(monkeypatch):
   """`batches_of(config)`: `models.random_batch` draws token batches of a GPT config."""

@@ -177,3 +177,29 @@ def tp_gpt(n_stages=1, **kw):
   """(config, loss, params) of a tiny GPT with Megatron names for tensor parallelism."""
   from examples import gpt
   return _gpt_model(gpt.GPTConfig, gpt.GPT, n_stages, {"tp_axis": "tp", **kw})
+
+
+def shard_map_body(jaxpr):
+  """The jaxpr of the first shard_map inside `jaxpr` (searched through nested calls)."""
+  from jax.extend.core import Jaxpr
+  for e in jaxpr.eqns:
+    if e.primitive.name == "shard_map":
+      return e.params["jaxpr"]
+    for inner in e.params.values():
+      inner = getattr(inner, "jaxpr", inner)
+      if isinstance(inner, Jaxpr) and (found := shard_map_body(inner)):
+        return found
+
+
+def jaxpr_ancestors(jaxpr, i) -> set:
+  """Indices of the equations whose outputs equation i of `jaxpr` depends on."""
+  from jax.extend.core import Var
+  made_by = {v: j for j, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  seen, todo = set(), [i]
+  while todo:
+    for v in jaxpr.eqns[todo.pop()].invars:
+      j = made_by.get(v) if isinstance(v, Var) else None
+      if j is not None and j not in seen:
+        seen.add(j)
+        todo.append(j)
+  return seen

@@ -19,11 +19,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.extend.core import Jaxpr, Var
 
 import piper_jax as pj
 from examples import gpt
-from models import assert_same_run, init_mlp, mlp_loss, optimizer, random_batch
+from models import (assert_same_run, init_mlp, jaxpr_ancestors, mlp_loss, optimizer, random_batch,
+                    shard_map_body)
 from piper_jax.lowering.program import PIPELINE_XLA_OPTIONS, Program
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,16 +63,6 @@ def _traced(step, state, batch):
   return step._step.trace(state, step._batch_leaves(batch))
 
 
-def _shard_map_body(jaxpr):
-  for e in jaxpr.eqns:
-    if e.primitive.name == "shard_map":
-      return e.params["jaxpr"]
-    for inner in e.params.values():
-      inner = getattr(inner, "jaxpr", inner)
-      if isinstance(inner, Jaxpr) and (found := _shard_map_body(inner)):
-        return found
-
-
 def _loop_body(body):
   """The rolled loop's body (`lax.fori_loop` over a static range: a scan)."""
   loops = [e for e in body.eqns if e.primitive.name in ("scan", "while")]
@@ -80,19 +70,6 @@ def _loop_body(body):
   e = loops[0]
   inner = e.params["jaxpr"] if e.primitive.name == "scan" else e.params["body_jaxpr"]
   return getattr(inner, "jaxpr", inner)
-
-
-def _ancestors(jaxpr, i):
-  """Indices of the equations whose outputs equation i of `jaxpr` depends on."""
-  made_by = {v: j for j, e in enumerate(jaxpr.eqns) for v in e.outvars}
-  seen, todo = set(), [i]
-  while todo:
-    for v in jaxpr.eqns[todo.pop()].invars:
-      j = made_by.get(v) if isinstance(v, Var) else None
-      if j is not None and j not in seen:
-        seen.add(j)
-        todo.append(j)
-  return seen
 
 
 def _tick_switches(jaxpr) -> list[int]:
@@ -110,12 +87,12 @@ def _unordered(jaxpr):
   conds = _tick_switches(jaxpr)
   colls = [i for i, n in enumerate(names) if n in _COLLECTIVES]
   assert conds and colls, names
-  return [(c, p) for c in conds for p in colls if p < c and p not in _ancestors(jaxpr, c)]
+  return [(c, p) for c in conds for p in colls if p < c and p not in jaxpr_ancestors(jaxpr, c)]
 
 
 def _bodies(step, state, batch) -> list:
   """The step's shard_map body and, if it rolls, its loop's body."""
-  body = _shard_map_body(_traced(step, state, batch).jaxpr.jaxpr)
+  body = shard_map_body(_traced(step, state, batch).jaxpr.jaxpr)
   return [body] + ([_loop_body(body)] if step.rolled else [])
 
 
@@ -161,7 +138,7 @@ def test_gpu_rolled_loop_runs_its_ticks_in_order(gpu_program):
   conds = _tick_switches(loop)
   assert len(conds) == step.rolled.length >= 2
   for before, after in zip(conds, conds[1:]):
-    assert before in _ancestors(loop, after)
+    assert before in jaxpr_ancestors(loop, after)
 
 
 def test_gpu_step_lowers_for_cuda_with_command_buffers(gpu_program, monkeypatch):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import optax
-from jax.extend.core import Jaxpr, Var
 
 import piper_jax as pj
 from examples import gpt
-from models import assert_same_run, moe_gpt as _moe, tp_gpt as _tp_gpt
+from models import (assert_same_run, jaxpr_ancestors, moe_gpt as _moe, shard_map_body,
+                    tp_gpt as _tp_gpt)
 
 # Adam moves a weight whose gradient is at rounding level (an expert that few tokens
 # reach) by a full step of that noise with eps=1e-8; eps=1e-6 keeps the comparison
@@ -219,19 +219,6 @@ def test_rolled_pp2_x_ep2(batches_of):
   assert step.rolled is not None and step.rolled.iters >= 2
 
 
-def _ancestors(jaxpr, i):
-  """Indices of the equations whose outputs equation i of `jaxpr` depends on."""
-  made_by = {v: j for j, e in enumerate(jaxpr.eqns) for v in e.outvars}
-  seen, todo = set(), [i]
-  while todo:
-    for v in jaxpr.eqns[todo.pop()].invars:
-      j = made_by.get(v) if isinstance(v, Var) else None
-      if j is not None and j not in seen:
-        seen.add(j)
-        todo.append(j)
-  return seen
-
-
 def test_cpu_ticks_wait_for_the_collectives_before_them():
   # XLA's CPU runtime runs independent operations in any order, and a conditional holding
   # EP's all_to_all does not count as a collective: a device entering tick t+1's switch
@@ -242,15 +229,6 @@ def test_cpu_ticks_wait_for_the_collectives_before_them():
   batch = gpt.random_batch(config, jax.random.PRNGKey(0), 16, pattern_seed=1)
   directives = pj.strategies.pipeline(4, 4, "dualpipev", dp=4, zero=1)
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
-
-  def shard_map_body(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive.name == "shard_map":
-        return e.params["jaxpr"]
-      for inner in e.params.values():
-        inner = getattr(inner, "jaxpr", inner)
-        if isinstance(inner, Jaxpr) and (found := shard_map_body(inner)):
-          return found
 
   def unordered(order):
     # Weights sliced per task: the case that hung.
@@ -264,7 +242,7 @@ def test_cpu_ticks_wait_for_the_collectives_before_them():
     conds = [i for i, n in enumerate(eqns) if n == "cond"]
     permutes = [i for i, n in enumerate(eqns) if n == "ppermute"]
     assert len(conds) > 4 and permutes
-    return [(c, p) for c in conds for p in permutes if p < c and p not in _ancestors(body, c)]
+    return [(c, p) for c in conds for p in permutes if p < c and p not in jaxpr_ancestors(body, c)]
 
   assert unordered(True) == []
   assert unordered(False)
