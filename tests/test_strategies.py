@@ -376,16 +376,14 @@ def test_gradient_leaves_materialized_before_their_segment(zero, bucket_mb):
   # its flat segment, so that XLA cannot fuse its producer (a bias gradient's reduction)
   # into the segment's concatenate; bucketed sums come out of an all-reduce already.
   # (Bias sums' own barriers are switched off here; the next test counts those.)
-  from unittest import mock
 
   from models import random_batch
 
-  from piper_jax.lowering import regions
   loss, params = _mlp(2)
-  with mock.patch.object(regions, "COLUMN_SUM_ROWS", 0):
-    step, state = assert_same_run(loss, params,
-                                  pj.strategies.data_parallel(8, zero=zero, bucket_mb=bucket_mb))
-    text = step.lower(state, random_batch(jax.random.PRNGKey(0), 16)).as_text()
+  step, state = assert_same_run(loss, params,
+                                pj.strategies.data_parallel(8, zero=zero, bucket_mb=bucket_mb),
+                                options=pj.LoweringOptions(column_sum_rows=0))
+  text = step.lower(state, random_batch(jax.random.PRNGKey(0), 16)).as_text()
   leaves = len(jax.tree_util.tree_leaves(params))
   assert text.count("stablehlo.optimization_barrier") == (0 if bucket_mb else leaves), text.count(
       "stablehlo.optimization_barrier")
