@@ -328,8 +328,8 @@ class Program:
         continue
       # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
       # can run beside it (prefetched one tick ahead); what both ticks read is gathered once.
-      gathered = ahead or (self._gather(t, params) if layout.zero == 3 else None)
-      ahead = (self._gather(t + 1, params, gathered) if gathered and t + 1 < n
+      gathered = ahead or (self._gather(t, params, after=st.loss) if layout.zero == 3 else None)
+      ahead = (self._gather(t + 1, params, gathered, after=st.loss) if gathered and t + 1 < n
                and (w is None or t + 1 != w.start) else None)
       self._tick(t, st, params, batch, 0, gathered=gathered)
       t += 1
@@ -346,11 +346,15 @@ class Program:
     return {p for ts in self.plan.ticks[tick_i] for t in ts
             for p in self.model.regions[t.region].params}
 
-  def _gather(self, tick_i: int, params: dict, have: tuple[dict, dict] | None = None
-              ) -> tuple[dict, dict]:
+  def _gather(self, tick_i: int, params: dict, have: tuple[dict, dict] | None = None,
+              after: jax.Array | None = None) -> tuple[dict, dict]:
     """ZeRO-3: the whole (slot, dtype) segments tick `tick_i` reads, all-gathered over
     the data axes, as (segments, cast segments); those in `have` (the previous tick's)
-    are taken from there instead of gathered again."""
+    are taken from there instead of gathered again.
+
+    The gathers wait for `after` (the loss so far, which each tick makes depend on its
+    work; XLA drops optimization barriers before it merges collectives). Without it XLA merges a segment's forward and backward gathers into one, and every tick's
+    into one combined gather, and holds all parameters whole for the whole step."""
     layout = self.layout
     have_segs, have_cast = have or ({}, {})
     need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
@@ -363,8 +367,11 @@ class Program:
     def get(key, to):
       if (key, to) not in got:  # a segment gathered whole is cast, not gathered again
         whole = got.get((key, key[1]))
+        shard = layout.local_segment(params, *key)
+        if after is not None:  # adds exactly 0 (isfinite is 0 or 1): XLA keeps the wait
+          shard = shard + 0 * jnp.isfinite(after).astype(shard.dtype)
         got[(key, to)] = (whole.astype(to) if whole is not None else lax.all_gather(
-            layout.local_segment(params, *key).astype(to), self.data_axes, tiled=True))
+            shard.astype(to), self.data_axes, tiled=True))
       return got[(key, to)]
 
     # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
@@ -385,7 +392,7 @@ class Program:
     read = self._read(tick_i)
     leaves = params.get("leaves", [])
     if zero == 3:
-      segs, cast = gathered or self._gather(tick_i, params)
+      segs, cast = gathered or self._gather(tick_i, params, after=st.loss)
     else:
       segs, cast = None, params.get("cast")
       params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
@@ -414,6 +421,10 @@ class Program:
       operands["after"] = st.loss
     keep, rounds, grads, tick_loss = self._switch(branches, operands)
     st.loss = st.loss + tick_loss
+    if zero == 3:  # the later ticks' gathers wait for this tick's work (`_gather`)
+      made = [x for x in [*keep, *(y for r in rounds for y in r), *grads.values()] if x.size]
+      if made:
+        st.loss = st.loss + 0 * jnp.isfinite(made[0].reshape(-1)[0]).astype(st.loss.dtype)
     for pos, x in enumerate(keep):
       st.arrays[("keep", tick_i, pos)] = x
     for ri, ((rnd, _, _), payload) in enumerate(zip(info["rounds"], rounds)):
