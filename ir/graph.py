@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Iterable, Mapping
+import functools
+from typing import AbstractSet, Iterable, Mapping
 
 __all__ = ["NodeKind", "Pass", "DepKind", "TensorSpec", "Node", "Edge", "Graph"]
 
@@ -170,6 +171,27 @@ class Graph:
   def with_nodes(self, updated: Mapping[str, Node]) -> "Graph":
     """A graph with some nodes replaced by id."""
     return self.replace(nodes=[updated.get(i, n) for i, n in self.nodes.items()])
+
+  def tagged(self, tag: str, value: int | str) -> AbstractSet[str]:
+    """Ids of the nodes whose `tag_values()` give `tag` the value `value` ("*": any value)."""
+    return self._by_tag.get((tag, value), frozenset())
+
+  @functools.cached_property
+  def _by_tag(self) -> dict[tuple[str, int | str], set[str]]:
+    # Built once per graph on first use, so that a filter intersects a few sets instead
+    # of matching every node; nodes never change after construction. No node tag
+    # value is "*", so (tag, "*") can hold the nodes that carry the tag at all.
+    index: dict[tuple[str, int | str], set[str]] = {}
+    for n in self.nodes.values():
+      for tag, value in n.tag_values().items():
+        index.setdefault((tag, value), set()).add(n.id)
+        index.setdefault((tag, "*"), set()).add(n.id)
+    return index
+
+  @functools.cached_property
+  def position(self) -> dict[str, int]:
+    """Each node id's place in `nodes`, the graph order."""
+    return {i: k for k, i in enumerate(self.nodes)}
 
   def compute_nodes(self) -> list[Node]:
     return [n for n in self.nodes.values() if n.kind is NodeKind.COMPUTE]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from piper_jax.ir.build import build_graph
 from piper_jax.ir.directives import Directive, Order, Place, Replicate, Shard, ShardTensor, Split
 from piper_jax.ir.errors import DirectiveError
 from piper_jax.ir.filters import select
-from piper_jax.ir.graph import NodeKind
-from piper_jax.ir.mesh import derive_mesh
+from piper_jax.ir.graph import Graph, NodeKind
+from piper_jax.ir.mesh import MeshSpec, derive_mesh
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.passes import (apply_order, insert_collectives, insert_send_recv, place_nodes,
                                  shard_regions, split_backward, split_microbatches)
@@ -17,7 +18,7 @@ from piper_jax.ir.passes.split_backward import backward_split_keys
 from piper_jax.ir.plan import Plan
 from piper_jax.ir.verify import verify
 
-__all__ = ["make_plan"]
+__all__ = ["PlacedGraph", "make_plan", "place_graph", "finish_plan"]
 
 
 def _filters(d: Directive):
@@ -65,6 +66,15 @@ def _num_microbatches(model: ModelSpec, directives: Sequence[Directive]) -> int:
   return n_mb
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedGraph:
+  """A plan before its collectives and orders: the placed, cut and sharded graph, its mesh."""
+
+  graph: Graph
+  mesh: MeshSpec
+  n_microbatches: int
+
+
 def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
               global_batch: int | None = None, check: bool = False) -> Plan:
   """Builds the global DAG of `model`, rewrites it with `directives` and orders it per device.
@@ -74,7 +84,23 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
   Raises `DirectiveError` (naming the directive) or `PlanError` for bad input.
   With `check`, `verify` runs after every pass and names the pass that broke it.
   """
-  check_ = (lambda g, after, **kw: verify(g, after, **kw)) if check else (lambda g, after, **kw: g)
+  directives = list(directives)
+  placed = place_graph(model, directives, n_devices, global_batch, check)
+  return finish_plan(model, directives, placed, check)
+
+
+def _checker(check: bool):
+  """`verify` when `check`, else a pass-through with its signature."""
+  return (lambda g, after, **kw: verify(g, after, **kw)) if check else (lambda g, after, **kw: g)
+
+
+def place_graph(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
+                global_batch: int | None = None, check: bool = False) -> PlacedGraph:
+  """The passes of `make_plan` up to shard/shard_tensor, which fix the mesh and microbatches.
+
+  Raises what `make_plan` raises in those passes; `finish_plan` runs the rest.
+  """
+  check_ = _checker(check)
   directives = list(directives)
   for i, d in enumerate(directives):
     if not isinstance(d, Directive):
@@ -112,6 +138,14 @@ def make_plan(model: ModelSpec, directives: Sequence[Directive], n_devices: int,
     msg = (f"the batch of {batch} does not divide into {mesh.n_data} data-parallel replicas x "
            f"{n_mb} microbatches; pick a batch size divisible by {mesh.n_data * n_mb}")
     raise DirectiveError(msg, idx, directives[idx] if idx is not None else None)
+  return PlacedGraph(graph, mesh, n_mb)
+
+
+def finish_plan(model: ModelSpec, directives: Sequence[Directive], placed: PlacedGraph,
+                check: bool = False) -> Plan:
+  """The rest of `make_plan` after `place_graph`: collectives, orders and the ticked plan."""
+  check_ = _checker(check)
+  graph, mesh, n_mb = placed.graph, placed.mesh, placed.n_microbatches
   graph = check_(insert_collectives(graph, model, mesh), "insert_collectives", placed=True, cut=True)
   graph = check_(apply_order(graph, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)]),
                  "apply_order", placed=True, cut=True)

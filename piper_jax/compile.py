@@ -12,7 +12,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from piper_jax.ir.directives import Directive, load_directives
-from piper_jax.ir.pipeline import make_plan
+from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering import compat
 from piper_jax.lowering.layout import ParamLayout
@@ -61,22 +61,26 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 
 def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
-  """Traces the loss, plans it, and re-traces at the microbatch size the plan implies."""
+  """Traces the loss, places it to learn the microbatch size, and plans it traced at that size.
+
+  Placing (`place_graph`) fixes the mesh and the microbatches, so the collectives,
+  orders and ticks are worked out once, for the model traced at the microbatch size.
+  """
   traced = trace_loss(loss_fn, params, example_batch)
-  plan = make_plan(traced.spec, directives, n_devices)
+  placed = place_graph(traced.spec, directives, n_devices)
   batch_size = traced.spec.batch_size
-  mbs = batch_size // (plan.mesh.n_data * plan.n_microbatches)
-  if mbs != batch_size:
-    mb_batch = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((mbs,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
-        example_batch)
-    full = traced
-    traced = trace_loss(loss_fn, params, mb_batch)
-    if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
-      raise ValueError("the model's regions depend on the batch size; annotate regions the "
-                       "same way for every batch size")
-    plan = make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
-  return traced, plan
+  mbs = batch_size // (placed.mesh.n_data * placed.n_microbatches)
+  if mbs == batch_size:
+    return traced, finish_plan(traced.spec, directives, placed)
+  mb_batch = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((mbs,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
+      example_batch)
+  full = traced
+  traced = trace_loss(loss_fn, params, mb_batch)
+  if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
+    raise ValueError("the model's regions depend on the batch size; annotate regions the "
+                     "same way for every batch size")
+  return traced, make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
 
 
 def plan(loss_fn: Callable, directives, params: Any, example_batch: Any, n_devices: int) -> Plan:

@@ -8,7 +8,7 @@ from typing import AbstractSet, Sequence
 from piper_jax.ir.build import compute_id
 from piper_jax.ir.directives import Order
 from piper_jax.ir.errors import DirectiveError
-from piper_jax.ir.filters import matches
+from piper_jax.ir.filters import select
 from piper_jax.ir.graph import Edge, Graph, Node, NodeKind, Pass
 
 __all__ = ["split_backward", "backward_split_keys"]
@@ -51,11 +51,10 @@ def backward_split_keys(graph: Graph, directives: Sequence[tuple[int, Order]]) -
         if pass_ not in ("B", "BI", "BW"):
           continue
         as_b = tuple((t, "B" if t == "PASS" else v) for t, v in f)
-        for n in backwards:
-          if matches(as_b, n):
-            entries = named.setdefault((n.region, n.mb), {}).setdefault(pass_, [])
-            if not any(i == index and pos[0] == gi for i, _, pos in entries):
-              entries.append((index, d, (gi, fi)))
+        for n in select(graph, as_b, kinds=(NodeKind.COMPUTE,)):
+          entries = named.setdefault((n.region, n.mb), {}).setdefault(pass_, [])
+          if not any(i == index and pos[0] == gi for i, _, pos in entries):
+            entries.append((index, d, (gi, fi)))
   by_key = {(n.region, n.mb): n for n in backwards}
   keys = set()
   for key in sorted(named):
