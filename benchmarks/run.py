@@ -35,8 +35,7 @@ the matmul, before the convert to the fp32 parameter's dtype. A `+noroll` suffix
 with `pj.compile(..., roll=False)`: every tick unrolled instead of the schedule's steady
 state as one loop (`+roll`, the default, is still accepted). A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
-slices and casts its own); `+taskcast` does so for pipelines only (their default until
-session 20), and `+nounpack` has a pipeline's tasks slice their weights from the cast
+slices and casts its own); `+taskcast` does so for pipelines only, and `+nounpack` has a pipeline's tasks slice their weights from the cast
 segments instead of reading them unpacked once per step; `+nodistopt` runs ZeRO-1/2
 without the distributed optimizer (replicated fp32 parameters, all-gathered in fp32
 after the update); `+nocolsum` sums bias gradients without their own optimization
@@ -49,6 +48,8 @@ off); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they 
 not the smaller ones they are cheaply made from (`LoweringOptions.slim_carry` off); `+deeproll`
 lets the rolled loop carry values up to 4 iterations (`LoweringOptions.max_carry_depth`), so that
 DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
+`+loop` lowers a pipeline as one loop over all its ticks, the plan as data
+(`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default).
 `+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
 update mode and the allocator it needs), beside the same variant without them.
@@ -88,7 +89,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
-             "nodistopt", "nocolsum", "deeproll",
+             "nodistopt", "nocolsum", "deeproll", "loop", "noloop",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -300,6 +301,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   else:
     # A/B variants choose lowering options (see the module docstring for each suffix).
     options = pj.LoweringOptions(
+        tick_loop=("loop" in mods) if {"loop", "noloop"} & set(mods)
+        else pj.LoweringOptions.tick_loop,
         roll="noroll" not in mods,
         max_carry_depth=4 if "deeproll" in mods else 1,
         remat=True if "remat" in mods else False if "noremat" in mods else None,

@@ -13,6 +13,9 @@ class LoweringOptions:
   """How a plan is lowered; none of these changes the numbers a step computes.
 
   Attributes:
+    tick_loop: lower the plan as one loop over all its ticks, the plan as data
+      (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
+      schedule or the number of microbatches; `roll` and gradient buckets do not apply.
     roll: run the schedule's steady state (ticks that repeat with later microbatches)
       as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
       longer compile, for a slightly lower peak).
@@ -43,6 +46,7 @@ class LoweringOptions:
       GPUs a pipeline's conditionals and rolled loop run as CUDA graphs), `{}` XLA's.
   """
 
+  tick_loop: bool = False
   roll: bool = True
   max_carry_depth: int = 1
   remat: bool | None = None

@@ -36,6 +36,7 @@ from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region,
                                         backward_weight, full_residuals, region_backward,
                                         region_forward, split_backward)
 from piper_jax.lowering.rolling import Window, find_window, shift_loc
+from piper_jax.lowering.tick_loop import TickLoop
 
 __all__ = ["Program"]
 
@@ -114,7 +115,11 @@ class Program:
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self._plan_grads()
     self._plan_values()
-    self.window = find_window(self, max_depth=options.max_carry_depth) if options.roll else None
+    self.tick_loop = TickLoop(self) if options.tick_loop else None
+    if self.tick_loop is not None:
+      self.buckets = {}  # the loop reduces gradients once, after its last tick
+    self.window = (find_window(self, max_depth=options.max_carry_depth)
+                   if options.roll and self.tick_loop is None else None)
     self._passes: dict[tuple, Any] = {}
     # XLA's CPU runtime runs independent operations concurrently, in any order, and a
     # conditional does not count as a collective: a device could enter a tick's switch
@@ -142,7 +147,7 @@ class Program:
 
   # -- static analysis: who produces and reads every value ----------------------
 
-  def _value_aval(self, key):
+  def value_aval(self, key):
     kind, r, m, k = key
     spec = self.model.regions[r]
     if kind == "act":
@@ -155,7 +160,7 @@ class Program:
     x = spec.inputs[k].spec
     return jax.ShapeDtypeStruct(x.shape, jnp.dtype(x.dtype))
 
-  def _reads(self, task: Task) -> list[tuple]:
+  def task_reads(self, task: Task) -> list[tuple]:
     """Value keys a task reads."""
     r, m = task.region, task.mb
     spec, ad = self.model.regions[r], self.ad[r]
@@ -184,7 +189,7 @@ class Program:
           keys.append(("ct", c.index, m, i))
     return keys
 
-  def _produces(self, task: Task) -> list[tuple]:
+  def task_produces(self, task: Task) -> list[tuple]:
     r, m = task.region, task.mb
     if task.pass_ is Pass.F:
       return ([("act", r, m, k) for k in range(len(self.model.regions[r].outputs))]
@@ -200,7 +205,7 @@ class Program:
     plan = self.plan
     readers: dict[tuple, list[Task]] = {}
     for t in plan.tasks.values():
-      for key in self._reads(t):
+      for key in self.task_reads(t):
         readers.setdefault(key, []).append(t)
     self.loc: dict[tuple, tuple] = {}   # (key, reader rank) -> array key of the value
     self.ticks: list[dict] = []         # per tick: keep positions, rounds, grad positions
@@ -209,11 +214,11 @@ class Program:
       msgs: dict[tuple[int, int], list] = {}
       for rank, tasks in enumerate(tick):
         for task in tasks:
-          for key in self._produces(task):
+          for key in self.task_produces(task):
             if any(rd.rank == rank and rd.tick > tick_i for rd in readers.get(key, [])):
-              keep_vals[rank].append((key, self._value_aval(key)))
+              keep_vals[rank].append((key, self.value_aval(key)))
             for dst in sorted({rd.rank for rd in readers.get(key, []) if rd.rank != rank}):
-              msgs.setdefault((rank, dst), []).append((key, self._value_aval(key)))
+              msgs.setdefault((rank, dst), []).append((key, self.value_aval(key)))
       rounds: list[list[tuple[int, int]]] = []
       for a, b in sorted(msgs):
         for rnd in rounds:
@@ -321,6 +326,11 @@ class Program:
         params["leaves"] = layout.unpack_cast(params)
     w, t, n = self.window, 0, len(self.plan.ticks)
     ahead = None
+    if self.tick_loop is not None:
+      st.acc, st.split_acc = self.zero_sums()
+      out = self.tick_loop.run(params, batch, st.acc, st.split_acc, st.loss)
+      st.acc, st.split_acc, st.loss = out.acc, out.split_acc, out.loss
+      t = n
     while t < n:
       if w is not None and t == w.start:
         self._loop(w, st, params, batch)
@@ -348,7 +358,13 @@ class Program:
 
   def _gather(self, tick_i: int, params: dict, have: tuple[dict, dict] | None = None,
               after: jax.Array | None = None) -> tuple[dict, dict]:
-    """ZeRO-3: the whole (slot, dtype) segments tick `tick_i` reads, all-gathered over
+    """`gather_segments` of the leaves tick `tick_i` reads."""
+    return self.gather_segments(self._read(tick_i), params, have, after)
+
+  def gather_segments(self, read: set[int], params: dict,
+                      have: tuple[dict, dict] | None = None,
+                      after: jax.Array | None = None) -> tuple[dict, dict]:
+    """ZeRO-3: the whole (slot, dtype) segments of the leaves in `read`, all-gathered over
     the data axes, as (segments, cast segments); those in `have` (the previous tick's)
     are taken from there instead of gathered again.
 
@@ -358,7 +374,7 @@ class Program:
     layout = self.layout
     have_segs, have_cast = have or ({}, {})
     need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
-    for p in self._read(tick_i) - set(layout.split):
+    for p in set(read) - set(layout.split):
       need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in layout.cast)
 
     got = {(key, key[1]): x for key, x in have_segs.items()}  # (key, dtype) -> segment
@@ -396,9 +412,9 @@ class Program:
     else:
       segs, cast = None, params.get("cast")
       params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
-    split = self._split_pieces(params["split"], read)
+    split = self.gather_split_pieces(params["split"], read)
     reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
-                    for key in self._reads(t)
+                    for key in self.task_reads(t)
                     if (key, rank) in loc and loc[(key, rank)][1] < tick_i}, key=str)
     # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
     acc_in = {}
@@ -522,7 +538,7 @@ class Program:
       return out
     return jax.tree_util.tree_map(lambda t, ref: cast(t, ref.dtype), out, x)
 
-  def _split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
+  def gather_split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
     """Split weights' pieces for a tick that reads parameters `read`; under ZeRO-3 those
     pieces are all-gathered over their copies (the others stay sharded: no task of
     the tick reads them)."""
@@ -562,27 +578,63 @@ class Program:
     instead of fused into the segment's concatenate, whose GPU emitter ran a fused
     bias-gradient reduction with one thread per column: 0.78 ms a block on the
     1.34B GPT, a fifth of a 4-GPU ZeRO-3 step (RESULTS.md, run AJ)."""
-    layout = self.layout
     keys = self._segment_keys(grads)
+    return self._switch([functools.partial(self._assemble_rank, r, keys=keys, dtype=dtype,
+                                           materialize=materialize)
+                         for r in range(self.plan.n_ranks)], grads)
 
-    def branch(rank):
-      def run(g):
-        segs = {key: jnp.zeros((layout.segment_size(*key),), jnp.dtype(dtype or key[1]))
-                for key in keys}
-        for p in self.grad_leaves_of_rank[rank]:
-          pos = self.grad_where[(rank, p)]
-          if pos not in g:
-            continue
-          h = layout.home[p]
-          key = (h.slot, h.dtype)
-          leaf = jnp.ravel(g[pos]).astype(segs[key].dtype)
-          if materialize:
-            leaf = lax.optimization_barrier(leaf)
-          segs[key] = lax.dynamic_update_slice(segs[key], leaf, (h.offset,))
-        return segs
-      return run
+  def _assemble_rank(self, rank: int, g: dict[int, jax.Array], keys: list[tuple],
+                     dtype: str | None, materialize: bool) -> dict[tuple, jax.Array]:
+    """`_assemble` on pipeline rank `rank`: its leaves' gradients into segments `keys`."""
+    layout = self.layout
+    segs = {key: jnp.zeros((layout.segment_size(*key),), jnp.dtype(dtype or key[1]))
+            for key in keys}
+    for p in self.grad_leaves_of_rank[rank]:
+      pos = self.grad_where[(rank, p)]
+      if pos not in g:
+        continue
+      h = layout.home[p]
+      key = (h.slot, h.dtype)
+      leaf = jnp.ravel(g[pos]).astype(segs[key].dtype)
+      if materialize:
+        leaf = lax.optimization_barrier(leaf)
+      segs[key] = lax.dynamic_update_slice(segs[key], leaf, (h.offset,))
+    return segs
 
-    return self._switch([branch(r) for r in range(self.plan.n_ranks)], grads)
+  def add_task_grads(self, rank: int, grads: dict[int, jax.Array], acc: dict,
+                     split_acc: dict) -> None:
+    """Adds one task's weight gradients (leaf -> array) on pipeline rank `rank` to the
+    step's sums, which hold every position: per-leaf sums under ZeRO 0/1, this replica's
+    reduce-scattered segments under ZeRO 2/3; split leaves' pieces to `split_acc`."""
+    by_pos = {self.grad_where[(rank, p)]: g for p, g in grads.items()}
+    segment_grads = {}
+    for pos, g in by_pos.items():
+      if pos >= self.split_grad0:
+        split_acc[pos] = split_acc[pos] + g.astype(split_acc[pos].dtype)
+      elif self.layout.zero < 2:
+        acc[pos] = acc[pos] + g.astype(acc[pos].dtype)
+      else:
+        segment_grads[pos] = g.astype(self.grad_positions[pos][1])
+    if segment_grads:
+      keys = sorted({(self.layout.home[p].slot, self.layout.home[p].dtype)
+                     for p in self.grad_leaves_of_rank[rank]
+                     if self.grad_where[(rank, p)] in segment_grads}, key=str)
+      segs = self._assemble_rank(rank, segment_grads, keys, self.reduce_dtype, True)
+      for key, x in segs.items():
+        x = self._grad_collective(lax.psum_scatter, x, self.data_axes, scatter_dimension=0,
+                                  tiled=True)
+        acc[key] = acc[key] + x.astype(key[1])
+
+  def zero_sums(self) -> tuple[dict, dict]:
+    """Zero gradient sums of every position the step adds to: (acc, split_acc)."""
+    if self.layout.zero < 2:
+      acc = {pos: _zeros(self.grad_positions[pos]) for pos in range(self.split_grad0)}
+    else:
+      acc = {key: jnp.zeros((self.layout.segment_size(*key) // self.n_data,), jnp.dtype(key[1]))
+             for key in self._segment_keys(range(self.split_grad0))}
+    split = {pos: _zeros(self.grad_positions[pos])
+             for pos in range(self.split_grad0, len(self.grad_positions))}
+    return acc, split
 
   def _segment_keys(self, positions) -> list[tuple]:
     """The (slot, dtype) segments that gradients at `positions` (any rank's) fall in."""
@@ -590,6 +642,95 @@ class Program:
     return sorted({(layout.home[p].slot, layout.home[p].dtype)
                    for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
                    if self.grad_where[(rank, p)] in positions}, key=str)
+
+  def run_task(self, r: int, pass_: Pass, m: int, read, param, batch: list,
+               made: dict, grad_acc: dict) -> jax.Array:
+    """Runs pass `pass_` of region `r` on microbatch `m`'s values: `read(key)` gives a
+    value it reads, `param(p)` a parameter leaf, `batch` the microbatch's batch leaves.
+    Puts the values it makes in `made` (key -> array), adds its weight gradients to
+    `grad_acc` (leaf -> sum), and returns its contribution to the loss."""
+    model = self.model
+    spec, ad = model.regions[r], self.ad[r]
+    params = [param(p) for p in spec.params]
+    ep = self.runner.io_local(r)
+    loss = jnp.zeros((), jnp.float32)
+    if pass_ is Pass.F:
+      acts = [read(("act", x.region, m, x.output)) for x in spec.inputs]
+      if ep:
+        acts = [self._dispatch(x) for x in acts]
+      forward = self._pass("F", r, functools.partial(region_forward, ad))
+      outs, stored = forward(params, batch, acts)
+      if ep:
+        outs = [self._combine(x) for x in outs]
+      for k, x in enumerate(outs):
+        made[("act", r, m, k)] = x
+      for k, x in enumerate(stored):
+        made[("res", r, m, k)] = x
+      if spec.produces_loss:
+        loss = loss + outs[self.traced.loss_output()].astype(jnp.float32)
+      return loss
+    acts = [None] * len(spec.inputs)
+    outs = [None] * len(spec.outputs)
+    for kind, i in ad.reads:
+      if kind == "act":
+        x = spec.inputs[i]
+        acts[i] = read(("act", x.region, m, x.output))
+      else:
+        outs[i] = read(("act", r, m, i))
+    stored = [read(("res", r, m, k)) for k in range(len(ad.stored))]
+    cts = []
+    for k in ad.float_outs:
+      o = spec.outputs[k]
+      ct = jnp.zeros(o.shape, jnp.dtype(o.dtype))
+      for key in self._ct_sources(r, m, k):
+        ct = ct + read(key).astype(ct.dtype)
+      if spec.produces_loss and k == self.traced.loss_output():
+        ct = ct + jnp.asarray(1.0 / (self.n_data * self.n_mb), ct.dtype)
+      cts.append(self._dispatch(ct) if ep else ct)
+    args = (stored, params, batch, acts, outs, cts)
+    split = self.split[r]
+    if pass_ is Pass.B:
+      d_params, d_acts = self._pass("B", r, _from_stored(region_backward, ad, split))(*args)
+    elif pass_ is Pass.BI:
+      d_acts, carry = self._pass("BI", r, _from_stored(backward_input, ad, split))(*args)
+      for k, x in enumerate(carry):
+        made[("wres", r, m, k)] = x
+      d_params = []
+    else:
+      carry = [read(("wres", r, m, k)) for k in range(len(split.carry))]
+      d_params = self._pass("BW", r, _from_stored(backward_weight, ad, split))(*args, carry)
+      d_acts = []
+    for i, x in zip(ad.diff_acts, d_acts):
+      made[("ct", r, m, i)] = self._combine(x) if ep else x
+    for i, g in zip(ad.diff_params, d_params):
+      p = spec.params[i]
+      grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
+    return loss
+
+  def param_reader(self, ops: dict, gathered: bool):
+    """`param(p)`: parameter leaf p from a switch's operands ("params", "cast", "split",
+    "leaves"); `gathered`: "params" and "cast" hold ZeRO-3's gathered whole segments."""
+    layout = self.layout
+    seg_cache = {}
+
+    def segment(slot, dt, cast):
+      if (slot, dt, cast) not in seg_cache:
+        src = ops["cast"] if cast else ops["params"]
+        seg_cache[(slot, dt, cast)] = (src[(slot, dt)] if gathered
+                                       else layout.local_segment(src, slot, dt))
+      return seg_cache[(slot, dt, cast)]
+
+    def param(p):
+      if p in layout.split:
+        return layout.local_piece({"split": ops["split"]}, p)
+      h = layout.home[p]
+      if p in layout.unpacked_pos:  # (and the model's own cast turns it back)
+        return layout.unpacked_leaf(ops["leaves"], p).astype(h.dtype)
+      if p in layout.cast:  # the model's own cast of this turns it back into the cast copy
+        return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
+      return layout.leaf(segment(h.slot, h.dtype, False), h)
+
+    return param
 
   def _branch(self, rank: int, tick_i: int, tasks: list[Task], gathered: bool, loc: dict):
     layout, model, info = self.layout, self.model, self.ticks[tick_i]
@@ -603,24 +744,7 @@ class Program:
           return env[key]
         return ops["arrays"][loc[(key, rank)]]
 
-      seg_cache = {}
-
-      def segment(slot, dt, cast):
-        if (slot, dt, cast) not in seg_cache:
-          src = ops["cast"] if cast else ops["params"]
-          seg_cache[(slot, dt, cast)] = (src[(slot, dt)] if gathered
-                                         else layout.local_segment(src, slot, dt))
-        return seg_cache[(slot, dt, cast)]
-
-      def param(p):
-        if p in layout.split:
-          return layout.local_piece({"split": ops["split"]}, p)
-        h = layout.home[p]
-        if p in layout.unpacked_pos:  # (and the model's own cast turns it back)
-          return layout.unpacked_leaf(ops["leaves"], p).astype(h.dtype)
-        if p in layout.cast:  # the model's own cast of this turns it back into the cast copy
-          return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
-        return layout.leaf(segment(h.slot, h.dtype, False), h)
+      param = self.param_reader(ops, gathered)
 
       def batch_mb(r, m):
         return [lax.dynamic_slice_in_dim(ops["batch"][i], (m + ops["shift"]) * self.mbs,
@@ -630,62 +754,8 @@ class Program:
       grad_acc: dict[int, jax.Array] = {}
       loss = jnp.zeros((), jnp.float32)
       for t in tasks:
-        r, m = t.region, t.mb
-        spec, ad = model.regions[r], self.ad[r]
-        params = [param(p) for p in spec.params]
-        batch = batch_mb(r, m)
-        ep = self.runner.io_local(r)
-        if t.pass_ is Pass.F:
-          acts = [read(("act", x.region, m, x.output)) for x in spec.inputs]
-          if ep:
-            acts = [self._dispatch(x) for x in acts]
-          forward = self._pass("F", r, functools.partial(region_forward, ad))
-          outs, stored = forward(params, batch, acts)
-          if ep:
-            outs = [self._combine(x) for x in outs]
-          for k, x in enumerate(outs):
-            env[("act", r, m, k)] = x
-          for k, x in enumerate(stored):
-            env[("res", r, m, k)] = x
-          if spec.produces_loss:
-            loss = loss + outs[self.traced.loss_output()].astype(jnp.float32)
-          continue
-        acts = [None] * len(spec.inputs)
-        outs = [None] * len(spec.outputs)
-        for kind, i in ad.reads:
-          if kind == "act":
-            x = spec.inputs[i]
-            acts[i] = read(("act", x.region, m, x.output))
-          else:
-            outs[i] = read(("act", r, m, i))
-        stored = [read(("res", r, m, k)) for k in range(len(ad.stored))]
-        cts = []
-        for k in ad.float_outs:
-          o = spec.outputs[k]
-          ct = jnp.zeros(o.shape, jnp.dtype(o.dtype))
-          for key in self._ct_sources(r, m, k):
-            ct = ct + read(key).astype(ct.dtype)
-          if spec.produces_loss and k == self.traced.loss_output():
-            ct = ct + jnp.asarray(1.0 / (self.n_data * self.n_mb), ct.dtype)
-          cts.append(self._dispatch(ct) if ep else ct)
-        args = (stored, params, batch, acts, outs, cts)
-        split = self.split[r]
-        if t.pass_ is Pass.B:
-          d_params, d_acts = self._pass("B", r, _from_stored(region_backward, ad, split))(*args)
-        elif t.pass_ is Pass.BI:
-          d_acts, carry = self._pass("BI", r, _from_stored(backward_input, ad, split))(*args)
-          for k, x in enumerate(carry):
-            env[("wres", r, m, k)] = x
-          d_params = []
-        else:
-          carry = [read(("wres", r, m, k)) for k in range(len(split.carry))]
-          d_params = self._pass("BW", r, _from_stored(backward_weight, ad, split))(*args, carry)
-          d_acts = []
-        for i, x in zip(ad.diff_acts, d_acts):
-          env[("ct", r, m, i)] = self._combine(x) if ep else x
-        for i, g in zip(ad.diff_params, d_params):
-          p = spec.params[i]
-          grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
+        loss = loss + self.run_task(t.region, t.pass_, t.mb, read, param,
+                                    batch_mb(t.region, t.mb), env, grad_acc)
 
       # Positions that other ranks' values hold (positions are shared by shape) take an
       # array of the same shape this tick made and dropped anyway, such as a residual F

@@ -97,7 +97,7 @@ def _same_shape(prog: Any, t: int, u: int, mbs: int) -> bool:
 def _reads(prog: Any, t: int) -> list[tuple]:
   """(value key, rank, location or None) of every read by tick t's tasks."""
   return [(key, rank, prog.loc.get((key, rank))) for rank, xs in enumerate(prog.plan.ticks[t])
-          for x in xs for key in prog._reads(x)]
+          for x in xs for key in prog.task_reads(x)]
 
 
 def _farthest(reads: list[tuple], t: int) -> int:

@@ -1,0 +1,163 @@
+"""A pipeline step as one loop over its ticks, the plan as data (`schedule_table`).
+
+The loop's body holds each task kind (a region's F, B, BI or BW) once, as a branch of
+one `lax.switch`; an iteration is one sub-step of a tick (a rank may run several tasks
+in a tick), and the table says which branch each pipeline rank takes in it, on which
+microbatch, and which rows of the value stores it reads and writes. Every iteration
+ends with the table's rounds of `ppermute`, each rank sending the rows the table names
+for the tick's last sub-step and its scratch rows otherwise (or when it has nothing
+to send).
+The compiled program's size therefore does not grow with the number of microbatches,
+ticks or schedule: warm-up and cool-down are iterations like the others.
+
+Collectives inside a branch (EP's all-to-all, ZeRO-2's reduce-scatter, ZeRO-3's
+all-gather) run over groups of devices that share a pipeline rank, which take the
+same branch in every tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from piper_jax.ir.graph import Pass
+from piper_jax.lowering.layout import signature
+from piper_jax.lowering.schedule_table import ScheduleTable, TaskKind, build_table
+
+if TYPE_CHECKING:
+  from piper_jax.lowering.program import Program
+
+__all__ = ["TickLoop"]
+
+_GRAD_PASSES = (Pass.B, Pass.BW)
+
+
+@dataclasses.dataclass
+class LoopCarry:
+  """What one tick hands the next: value stores, gradient sums and the loss."""
+
+  stores: list
+  acc: dict       # ZeRO 0/1: gradient position -> sum; ZeRO 2/3: (slot, dtype) -> chunk
+  split_acc: dict  # split leaves' gradient positions -> sum
+  loss: jax.Array
+
+
+jax.tree_util.register_dataclass(LoopCarry, data_fields=["stores", "acc", "split_acc", "loss"],
+                                 meta_fields=[])
+
+
+class TickLoop:
+  """Lowers `prog`'s plan as one `lax.fori_loop` over its ticks."""
+
+  def __init__(self, prog: "Program"):
+    self.prog = prog
+    self.table: ScheduleTable = build_table(
+        prog.plan.ticks, prog.task_reads, prog.task_produces,
+        lambda key: signature(prog.value_aval(key)))
+    # Per kind: the value keys of one of its tasks, with microbatch 0 (the branch finds
+    # a value's position in the table's rows by its key).
+    self._keys: dict[int, tuple[list, list]] = {}
+    for tick in prog.plan.ticks:
+      for ts in tick:
+        for t in ts:
+          i = self.table.kind_index(t.region, t.pass_)
+          if i not in self._keys:
+            t0 = dataclasses.replace(t, mb=0)
+            self._keys[i] = (prog.task_reads(t0), prog.task_produces(t0))
+
+  # -- the branches ---------------------------------------------------------
+
+  def _branch(self, i: int, kind: TaskKind):
+    prog, table = self.prog, self.table
+    layout = prog.layout
+    rank = prog.plan.mesh.region_rank[kind.region]
+    read_keys, made_keys = self._keys[i]
+    where = {key: j for j, key in enumerate(read_keys)}
+    region = prog.model.regions[kind.region]
+    reads_params = set(region.params)
+
+    def run(ops):
+      c: LoopCarry = ops["carry"]
+      stores = list(c.stores)
+
+      def read(key):
+        j = where[key]
+        return lax.dynamic_index_in_dim(stores[kind.reads[j]], ops["read_rows"][j], 0,
+                                        keepdims=False)
+
+      params = ops["params"]
+      own = {k: params[k] for k in ("slots", "shared", "split")}
+      gathered = layout.zero == 3
+      if gathered:  # this region's segments and pieces, whole for the task
+        segs, cast = prog.gather_segments(reads_params, own)
+        params = {"params": segs, "cast": cast, "leaves": [],
+                  "split": prog.gather_split_pieces(own["split"], reads_params)}
+      else:
+        params = {"params": own, "cast": params.get("cast"), "split": own["split"],
+                  "leaves": params.get("leaves", [])}
+      param = prog.param_reader(params, gathered)
+      batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0)
+               for b in region.batch]
+      made: dict = {}
+      grad_acc: dict = {}
+      loss = prog.run_task(kind.region, kind.pass_, 0, read, param, batch, made, grad_acc)
+      for j, key in enumerate(made_keys):
+        s = kind.writes[j]
+        x = made[key].astype(stores[s].dtype)
+        stores[s] = lax.dynamic_update_index_in_dim(stores[s], x, ops["write_rows"][j], 0)
+      acc, split_acc = dict(c.acc), dict(c.split_acc)
+      if kind.pass_ in _GRAD_PASSES:
+        prog.add_task_grads(rank, grad_acc, acc, split_acc)
+      return LoopCarry(stores, acc, split_acc, c.loss + loss)
+
+    return run
+
+  @staticmethod
+  def _idle(ops):
+    return ops["carry"]
+
+  # -- the loop -------------------------------------------------------------
+
+  def run(self, params: dict, batch: list, acc: dict, split_acc: dict,
+          loss: jax.Array) -> LoopCarry:
+    """All ticks of the plan from the given gradient sums and loss (sums of every
+    position the step adds to must be present)."""
+    table = self.table
+    tick_of, sub_of, last = table.steps()
+    n_steps = len(tick_of)
+    scratch = table.round_scratch()
+    code = jnp.asarray(table.code[tick_of, :, sub_of])
+    mb = jnp.asarray(table.mb[tick_of, :, sub_of])
+    read_rows = jnp.asarray(table.read_rows[tick_of, :, sub_of])
+    write_rows = jnp.asarray(table.write_rows[tick_of, :, sub_of])
+    # Sub-steps before a tick's last exchange scratch rows: a conditional around the
+    # exchange would wait for its predicate on the host every iteration.
+    send_rows, recv_rows = (np.where(last[:, None, None, None], rows[tick_of], scratch)
+                            for rows in (table.send_rows, table.recv_rows))
+    send_rows, recv_rows = jnp.asarray(send_rows), jnp.asarray(recv_rows)
+    branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
+    stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
+    rank = lax.axis_index("pp")
+
+    def step(i, c: LoopCarry) -> LoopCarry:
+      ops = {"carry": c, "params": params, "batch": batch, "mb": mb[i, rank],
+             "read_rows": read_rows[i, rank], "write_rows": write_rows[i, rank]}
+      c = lax.switch(code[i, rank], branches, ops)
+      stores = list(c.stores)
+      for j, rnd in enumerate(table.rounds):
+        payload = [lax.dynamic_index_in_dim(stores[st], send_rows[i, rank, j, k], 0,
+                                            keepdims=False)
+                   for k, st in enumerate(rnd.stores)]
+        got = lax.ppermute(payload, "pp", perm=list(rnd.perm))
+        for k, st in enumerate(rnd.stores):
+          stores[st] = lax.dynamic_update_index_in_dim(stores[st], got[k],
+                                                       recv_rows[i, rank, j, k], 0)
+      return LoopCarry(stores, c.acc, c.split_acc, c.loss)
+
+    return lax.fori_loop(0, n_steps, step,
+                         LoopCarry(stores, acc, split_acc, loss))

@@ -1,0 +1,58 @@
+"""The pipeline as one loop over its ticks (`LoweringOptions(tick_loop=True)`): one
+device's numbers for every schedule, and a program whose size does not grow with the
+number of microbatches."""
+
+import re
+
+import jax
+import optax
+import pytest
+
+import piper_jax as pj
+from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch
+
+pytestmark = pytest.mark.timeout(300)
+
+LOOP = pj.LoweringOptions(tick_loop=True)
+# As test_parallel's: eps=1e-6 keeps Adam from turning rounding-level expert gradients
+# into full-size steps.
+MOE_TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-6, weight_decay=0.1))
+
+
+@pytest.mark.parametrize("schedule,n_stages,dp,zero", [
+    ("1f1b", 4, 1, 0), ("dualpipev", 4, 1, 0), ("gpipe", 2, 2, 1), ("zb", 2, 2, 2),
+    ("interleaved", 4, 2, 3)])
+def test_tick_loop_same_numbers(schedule, n_stages, dp, zero):
+  params = init_mlp(jax.random.PRNGKey(0), n_stages)
+  directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=dp, zero=zero)
+  step, _ = assert_same_run(mlp_loss(n_stages), params, directives, options=LOOP)
+  assert step.rolled is None and step.options.tick_loop
+
+
+def test_tick_loop_expert_parallel_x_pipeline(batches_of):
+  config, loss, params = moe_gpt(2)
+  batches_of(config)
+  directives = pj.strategies.pipeline(2, 2, "zb", dp=2, zero=1)
+  directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
+  step, _ = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX, options=LOOP)
+  assert step.plan.mesh.size("ep") == 2
+
+
+def _passes_in_program(schedule, n_microbatches, options):
+  params = init_mlp(jax.random.PRNGKey(0), 4)
+  batch = random_batch(jax.random.PRNGKey(1), 16)
+  step = pj.compile(mlp_loss(4), optax.sgd(0.1), pj.strategies.pipeline(4, n_microbatches, schedule),
+                    params, batch, options=options)
+  text = step.lower(step.init(params), batch).as_text()
+  # Lines: the schedule's tables are constants, one line each whatever their length.
+  return len(re.findall(r"call @region_(?:forward|backward)", text)), text.count("\n")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_program_size_does_not_grow_with_microbatches(schedule):
+  calls4, size4 = _passes_in_program(schedule, 4, LOOP)
+  calls16, size16 = _passes_in_program(schedule, 16, LOOP)
+  assert calls4 == calls16 and abs(size16 - size4) < 0.05 * size4, (calls4, calls16, size4,
+                                                                     size16)
+  # Each region's F and B once: 4 regions, 2 passes.
+  assert calls4 <= 8, calls4
