@@ -37,12 +37,10 @@ from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region,
                                         region_forward, split_backward)
 from piper_jax.lowering.rolling import Window, find_window, shift_loc
 from piper_jax.lowering.tick_loop import TickLoop
+from piper_jax.lowering.values import ValueKey, ValueKind
 
 __all__ = ["Program"]
 
-# Value keys: ("act", region, mb, k) output k of F; ("res", region, mb, k) stored
-# residual k of F; ("ct", region, mb, i) cotangent of input i, made by B or BI;
-# ("wres", region, mb, k) value k that BI leaves for BW.
 _GRAD_PASSES = (Pass.B, Pass.BW)
 
 
@@ -147,58 +145,61 @@ class Program:
 
   # -- static analysis: who produces and reads every value ----------------------
 
-  def value_aval(self, key):
-    kind, r, m, k = key
+  def value_aval(self, key: ValueKey):
+    """The shape and dtype of a value."""
+    r, k = key.region, key.index
     spec = self.model.regions[r]
-    if kind == "act":
+    if key.kind is ValueKind.ACT:
       o = spec.outputs[k]
       return jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype))
-    if kind == "res":
+    if key.kind is ValueKind.RES:
       return self.ad[r].stored[k].aval
-    if kind == "wres":
+    if key.kind is ValueKind.WRES:
       return self.split[r].carry_avals[k]
     x = spec.inputs[k].spec
     return jax.ShapeDtypeStruct(x.shape, jnp.dtype(x.dtype))
 
-  def task_reads(self, task: Task) -> list[tuple]:
+  def task_reads(self, task: Task) -> list[ValueKey]:
     """Value keys a task reads."""
     r, m = task.region, task.mb
     spec, ad = self.model.regions[r], self.ad[r]
     keys = []
     if task.pass_ is Pass.F:
-      keys += [("act", x.region, m, x.output) for x in spec.inputs]
+      keys += [ValueKey(ValueKind.ACT, x.region, m, x.output) for x in spec.inputs]
     else:
-      keys += [("res", r, m, k) for k in range(len(ad.stored))]
+      keys += [ValueKey(ValueKind.RES, r, m, k) for k in range(len(ad.stored))]
       for kind, i in ad.reads:
         if kind == "act":
           x = spec.inputs[i]
-          keys.append(("act", x.region, m, x.output))
+          keys.append(ValueKey(ValueKind.ACT, x.region, m, x.output))
         else:
-          keys.append(("act", r, m, i))
+          keys.append(ValueKey(ValueKind.ACT, r, m, i))
       keys += self._ct_sources(r, m)
       if task.pass_ is Pass.BW:
-        keys += [("wres", r, m, k) for k in range(len(self.split[r].carry))]
+        keys += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
     return list(dict.fromkeys(keys))
 
-  def _ct_sources(self, r: int, m: int, out: int | None = None) -> list[tuple]:
-    """The ("ct", consumer, m, i) keys that sum to the cotangent of region r's outputs."""
+  def _ct_sources(self, r: int, m: int, out: int | None = None) -> list[ValueKey]:
+    """The cotangent keys (of consumers' inputs, microbatch m) that sum to the cotangent of region r's outputs."""
     keys = []
     for c in self.model.regions:
       for i, x in enumerate(c.inputs):
         if x.region == r and x.differentiable and (out is None or x.output == out):
-          keys.append(("ct", c.index, m, i))
+          keys.append(ValueKey(ValueKind.CT, c.index, m, i))
     return keys
 
-  def task_produces(self, task: Task) -> list[tuple]:
+  def task_produces(self, task: Task) -> list[ValueKey]:
+    """Value keys a task makes."""
     r, m = task.region, task.mb
     if task.pass_ is Pass.F:
-      return ([("act", r, m, k) for k in range(len(self.model.regions[r].outputs))]
-              + [("res", r, m, k) for k in range(len(self.ad[r].stored))])
+      return ([ValueKey(ValueKind.ACT, r, m, k)
+               for k in range(len(self.model.regions[r].outputs))]
+              + [ValueKey(ValueKind.RES, r, m, k) for k in range(len(self.ad[r].stored))])
     if task.pass_ is Pass.BW:
       return []
-    out = [("ct", r, m, i) for i in self.ad[r].diff_acts]
+    out = [ValueKey(ValueKind.CT, r, m, i) for i in self.ad[r].diff_acts]
     if task.pass_ is Pass.BI:
-      out += [("wres", r, m, k) for k in range(len(self.split[r].carry))]
+      out += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
     return out
 
   def _plan_values(self):
@@ -655,7 +656,7 @@ class Program:
     ep = self.runner.io_local(r)
     loss = jnp.zeros((), jnp.float32)
     if pass_ is Pass.F:
-      acts = [read(("act", x.region, m, x.output)) for x in spec.inputs]
+      acts = [read(ValueKey(ValueKind.ACT, x.region, m, x.output)) for x in spec.inputs]
       if ep:
         acts = [self._dispatch(x) for x in acts]
       forward = self._pass("F", r, functools.partial(region_forward, ad))
@@ -663,9 +664,9 @@ class Program:
       if ep:
         outs = [self._combine(x) for x in outs]
       for k, x in enumerate(outs):
-        made[("act", r, m, k)] = x
+        made[ValueKey(ValueKind.ACT, r, m, k)] = x
       for k, x in enumerate(stored):
-        made[("res", r, m, k)] = x
+        made[ValueKey(ValueKind.RES, r, m, k)] = x
       if spec.produces_loss:
         loss = loss + outs[self.traced.loss_output()].astype(jnp.float32)
       return loss
@@ -674,10 +675,10 @@ class Program:
     for kind, i in ad.reads:
       if kind == "act":
         x = spec.inputs[i]
-        acts[i] = read(("act", x.region, m, x.output))
+        acts[i] = read(ValueKey(ValueKind.ACT, x.region, m, x.output))
       else:
-        outs[i] = read(("act", r, m, i))
-    stored = [read(("res", r, m, k)) for k in range(len(ad.stored))]
+        outs[i] = read(ValueKey(ValueKind.ACT, r, m, i))
+    stored = [read(ValueKey(ValueKind.RES, r, m, k)) for k in range(len(ad.stored))]
     cts = []
     for k in ad.float_outs:
       o = spec.outputs[k]
@@ -694,14 +695,14 @@ class Program:
     elif pass_ is Pass.BI:
       d_acts, carry = self._pass("BI", r, _from_stored(backward_input, ad, split))(*args)
       for k, x in enumerate(carry):
-        made[("wres", r, m, k)] = x
+        made[ValueKey(ValueKind.WRES, r, m, k)] = x
       d_params = []
     else:
-      carry = [read(("wres", r, m, k)) for k in range(len(split.carry))]
+      carry = [read(ValueKey(ValueKind.WRES, r, m, k)) for k in range(len(split.carry))]
       d_params = self._pass("BW", r, _from_stored(backward_weight, ad, split))(*args, carry)
       d_acts = []
     for i, x in zip(ad.diff_acts, d_acts):
-      made[("ct", r, m, i)] = self._combine(x) if ep else x
+      made[ValueKey(ValueKind.CT, r, m, i)] = self._combine(x) if ep else x
     for i, g in zip(ad.diff_params, d_params):
       p = spec.params[i]
       grad_acc[p] = grad_acc[p] + g if p in grad_acc else g

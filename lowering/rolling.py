@@ -60,13 +60,8 @@ def shift_loc(loc: tuple, ticks: int) -> tuple:
   return (loc[0], loc[1] + ticks) + tuple(loc[2:])
 
 
-def _shift_key(key: tuple, mbs: int) -> tuple:
-  kind, region, mb, k = key
-  return (kind, region, mb + mbs, k)
-
-
 def _shifted_where(where: dict, mbs: int) -> dict:
-  return {(rank, _shift_key(key, mbs)): pos for (rank, key), pos in where.items()}
+  return {(rank, key.shifted(mbs)): pos for (rank, key), pos in where.items()}
 
 
 def _mb_shift(ticks, t: int, u: int) -> int | None:
@@ -108,7 +103,7 @@ def _farthest(reads: list[tuple], t: int) -> int:
 def _same_reads(prog: Any, reads: list, t: int, u: int, mbs: int) -> bool:
   """Whether tick u reads each value from where tick t read its counterpart, u - t later."""
   for key, rank, a in reads[t]:
-    b = prog.loc.get((_shift_key(key, mbs), rank))
+    b = prog.loc.get((key.shifted(mbs), rank))
     if (a is None) != (b is None) or (a is not None and shift_loc(a, u - t) != b):
       return False
   return True
@@ -149,7 +144,7 @@ def _carried(prog: Any, reads: list, start: int, length: int, shift: int, iters:
   body, entry = {}, {}
   for t in range(start, start + length):
     for key, rank, real in reads[t]:
-      nxt = prog.loc.get((_shift_key(key, shift), rank))
+      nxt = prog.loc.get((key.shifted(shift), rank))
       if (real is None) != (nxt is None):
         return None
       if real is None:
@@ -161,7 +156,7 @@ def _carried(prog: Any, reads: list, start: int, length: int, shift: int, iters:
         continue
       back = -((loc[1] - start) // length)  # made `back` iterations before
       made = shift_loc(loc, back * length)  # where the body makes it
-      if back > min(depth, iters) or prog.loc.get((_shift_key(key, back * shift), rank)) != made:
+      if back > min(depth, iters) or prog.loc.get((key.shifted(back * shift), rank)) != made:
         # The value `back` iterations later must be the one made here; and a slot
         # deeper than the loop's iterations would come out of it as a value of a tick
         # before the loop.
@@ -169,7 +164,7 @@ def _carried(prog: Any, reads: list, start: int, length: int, shift: int, iters:
       for k in range(1, back + 1):
         # The carry holds the values of the last `back` iterations, one slot deeper each
         # iteration; in the first, slot k holds what iteration back - k reads here.
-        first = prog.loc.get((_shift_key(key, (back - k) * shift), rank))
+        first = prog.loc.get((key.shifted((back - k) * shift), rank))
         if (first is None or first[1] >= start
             or prog._loc_signature(first) != prog._loc_signature(made)):
           return None
