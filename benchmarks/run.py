@@ -50,6 +50,8 @@ lets the rolled loop carry values up to 4 iterations (`LoweringOptions.max_carry
 DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
 `+loop` lowers a pipeline as one loop over all its ticks, the plan as data
 (`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default).
+`+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
+backward (`LoweringOptions.zero3_reshard` off).
 `+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
 update mode and the allocator it needs), beside the same variant without them.
@@ -89,7 +91,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
-             "nodistopt", "nocolsum", "deeproll", "loop", "noloop",
+             "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -313,6 +315,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
         column_sum_rows=0 if "nocolsum" in mods else pj.LoweringOptions.column_sum_rows,
         wide_weight_grads="nowidegrad" not in mods,
         slim_carry="noslimcarry" not in mods,
+        zero3_reshard="keepgathered" not in mods,
         compiler_options={} if "nocmdbuf" in mods else None)
     t0 = time.perf_counter()
     call = pj.compile(loss_fn, tx, directives, params, batches[0], options=options)

@@ -42,6 +42,10 @@ class LoweringOptions:
       GEMM writing fp32, with no bf16 rounding or convert before the sum.
     slim_carry: ZB's BI hands BW the smaller values BW's cheap equations make the
       values it reads from, and BW redoes those equations.
+    zero3_reshard: ZeRO-3 gathers a region's weights again for its backward (PyTorch
+      FSDP's reshard_after_forward): a device holds the weights of the ticks in flight.
+      False lets XLA keep each region's weights from its forward gather to its backward:
+      half the gathers, every weight held whole for the whole step.
     compiler_options: XLA options for the step's `jax.jit`; None takes piper-jax's (on
       GPUs a pipeline's conditionals and rolled loop run as CUDA graphs), `{}` XLA's.
   """
@@ -58,6 +62,7 @@ class LoweringOptions:
   column_sum_rows: int = 4096
   wide_weight_grads: bool = True
   slim_carry: bool = True
+  zero3_reshard: bool = True
   compiler_options: Mapping[str, object] | None = None
 
   def __post_init__(self):

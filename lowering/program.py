@@ -339,8 +339,9 @@ class Program:
         continue
       # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
       # can run beside it (prefetched one tick ahead); what both ticks read is gathered once.
-      gathered = ahead or (self._gather(t, params, after=st.loss) if layout.zero == 3 else None)
-      ahead = (self._gather(t + 1, params, gathered, after=st.loss) if gathered and t + 1 < n
+      after = st.loss if self.options.zero3_reshard else None
+      gathered = ahead or (self._gather(t, params, after=after) if layout.zero == 3 else None)
+      ahead = (self._gather(t + 1, params, gathered, after=after) if gathered and t + 1 < n
                and (w is None or t + 1 != w.start) else None)
       self._tick(t, st, params, batch, 0, gathered=gathered)
       t += 1
@@ -409,7 +410,8 @@ class Program:
     read = self._read(tick_i)
     leaves = params.get("leaves", [])
     if zero == 3:
-      segs, cast = gathered or self._gather(tick_i, params, after=st.loss)
+      after = st.loss if self.options.zero3_reshard else None
+      segs, cast = gathered or self._gather(tick_i, params, after=after)
     else:
       segs, cast = None, params.get("cast")
       params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
@@ -438,7 +440,7 @@ class Program:
       operands["after"] = st.loss
     keep, rounds, grads, tick_loss = self._switch(branches, operands)
     st.loss = st.loss + tick_loss
-    if zero == 3:  # the later ticks' gathers wait for this tick's work (`_gather`)
+    if zero == 3 and self.options.zero3_reshard:  # later ticks' gathers wait for this one
       made = [x for x in [*keep, *(y for r in rounds for y in r), *grads.values()] if x.size]
       if made:
         st.loss = st.loss + 0 * jnp.isfinite(made[0].reshape(-1)[0]).astype(st.loss.dtype)

@@ -103,11 +103,11 @@ def _blocks(n_blocks=8, width=128):
   return loss, params
 
 
-def _temp_bytes(zero: int) -> tuple[int, int, str]:
+def _temp_bytes(zero: int, **options) -> tuple[int, int, str]:
   loss, params = _blocks()
   batch = random_batch(jax.random.PRNGKey(1), 16)
   step = pj.compile(loss, optax.sgd(0.1), pj.strategies.data_parallel(4, zero=zero),
-                    params, batch)
+                    params, batch, options=pj.LoweringOptions(**options))
   compiled = step.lower(step.init(params), batch).compile()
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   return compiled.memory_analysis().temp_size_in_bytes, nbytes, compiled.as_text()
@@ -125,6 +125,9 @@ def test_zero3_holds_a_few_blocks_whole_not_the_model():
   assert gathers >= 2 * 8 - 1, gathers
   assert temp3 < 0.75 * model_bytes, (temp3, model_bytes)
   assert temp3 < 0.5 * temp0, (temp3, temp0)
+  # zero3_reshard=False: the backward reuses the forward's gathers (half the traffic).
+  _, _, kept = _temp_bytes(3, zero3_reshard=False)
+  assert kept.count(" all-gather(") + kept.count(" all-gather-start(") < gathers
 
 
 def test_zero2_keeps_gradients_sharded():
