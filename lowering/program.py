@@ -36,6 +36,7 @@ from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region,
                                         backward_weight, full_residuals, region_backward,
                                         region_forward, split_backward)
 from piper_jax.lowering.rolling import Window, find_window, shift_loc
+from piper_jax.lowering.schedule_table import pair_rounds
 from piper_jax.lowering.tick_loop import TickLoop
 from piper_jax.lowering.values import ValueKey, ValueKind
 
@@ -180,7 +181,8 @@ class Program:
     return list(dict.fromkeys(keys))
 
   def _ct_sources(self, r: int, m: int, out: int | None = None) -> list[ValueKey]:
-    """The cotangent keys (of consumers' inputs, microbatch m) that sum to the cotangent of region r's outputs."""
+    """The cotangent keys (of consumers' inputs, microbatch m) that sum to the cotangent
+    of region r's outputs (of output `out` only, if given)."""
     keys = []
     for c in self.model.regions:
       for i, x in enumerate(c.inputs):
@@ -220,14 +222,7 @@ class Program:
               keep_vals[rank].append((key, self.value_aval(key)))
             for dst in sorted({rd.rank for rd in readers.get(key, []) if rd.rank != rank}):
               msgs.setdefault((rank, dst), []).append((key, self.value_aval(key)))
-      rounds: list[list[tuple[int, int]]] = []
-      for a, b in sorted(msgs):
-        for rnd in rounds:
-          if all(a != x and b != y for x, y in rnd):
-            rnd.append((a, b))
-            break
-        else:
-          rounds.append([(a, b)])
+      rounds = pair_rounds(set(msgs))
       keep_pos, keep_where = match_positions(keep_vals)
       for (rank, key), pos in keep_where.items():
         self.loc[(key, rank)] = ("keep", tick_i, pos)
@@ -325,26 +320,12 @@ class Program:
                      if (SHARED, dt) in layout.cast_slots}})
       if layout.unpacked_pos:
         params["leaves"] = layout.unpack_cast(params)
-    w, t, n = self.window, 0, len(self.plan.ticks)
-    ahead = None
     if self.tick_loop is not None:
       st.acc, st.split_acc = self.zero_sums()
       out = self.tick_loop.run(params, batch, st.acc, st.split_acc, st.loss)
       st.acc, st.split_acc, st.loss = out.acc, out.split_acc, out.loss
-      t = n
-    while t < n:
-      if w is not None and t == w.start:
-        self._loop(w, st, params, batch)
-        t, ahead = w.stop, None
-        continue
-      # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
-      # can run beside it (prefetched one tick ahead); what both ticks read is gathered once.
-      after = st.loss if self.options.zero3_reshard else None
-      gathered = ahead or (self._gather(t, params, after=after) if layout.zero == 3 else None)
-      ahead = (self._gather(t + 1, params, gathered, after=after) if gathered and t + 1 < n
-               and (w is None or t + 1 != w.start) else None)
-      self._tick(t, st, params, batch, 0, gathered=gathered)
-      t += 1
+    else:
+      self._run_ticks(st, params, batch)
     acc = st.acc
     if self.layout.zero < 2:
       # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
@@ -353,6 +334,24 @@ class Program:
     out["split"] = self._finish_split(st.split_acc)
     return out, lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
 
+  def _run_ticks(self, st: "_State", params: dict, batch: list) -> None:
+    """The plan's ticks one by one, the rolled window (if any) as one loop."""
+    w, t, n = self.window, 0, len(self.plan.ticks)
+    ahead = None
+    while t < n:
+      if w is not None and t == w.start:
+        self._loop(w, st, params, batch)
+        t, ahead = w.stop, None
+        continue
+      # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
+      # can run beside it (prefetched one tick ahead); what both ticks read is gathered once.
+      gathered = ahead or (self._gather(t, params, after=st.loss)
+                           if self.layout.zero == 3 else None)
+      ahead = (self._gather(t + 1, params, gathered, after=st.loss) if gathered and t + 1 < n
+               and (w is None or t + 1 != w.start) else None)
+      self._tick(t, st, params, batch, 0, gathered=gathered)
+      t += 1
+
   def _read(self, tick_i: int) -> set[int]:
     """The parameter leaves tick `tick_i` reads."""
     return {p for ts in self.plan.ticks[tick_i] for t in ts
@@ -360,7 +359,9 @@ class Program:
 
   def _gather(self, tick_i: int, params: dict, have: tuple[dict, dict] | None = None,
               after: jax.Array | None = None) -> tuple[dict, dict]:
-    """`gather_segments` of the leaves tick `tick_i` reads."""
+    """`gather_segments` of the leaves tick `tick_i` reads, waiting for `after` under
+    `LoweringOptions.zero3_reshard`."""
+    after = after if self.options.zero3_reshard else None
     return self.gather_segments(self._read(tick_i), params, have, after)
 
   def gather_segments(self, read: set[int], params: dict,
@@ -371,8 +372,9 @@ class Program:
     are taken from there instead of gathered again.
 
     The gathers wait for `after` (the loss so far, which each tick makes depend on its
-    work; XLA drops optimization barriers before it merges collectives). Without it XLA merges a segment's forward and backward gathers into one, and every tick's
-    into one combined gather, and holds all parameters whole for the whole step."""
+    work; XLA drops optimization barriers before it merges collectives). Without it XLA
+    merges a segment's forward and backward gathers into one, and every tick's into one
+    combined gather, and holds all parameters whole for the whole step."""
     layout = self.layout
     have_segs, have_cast = have or ({}, {})
     need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
@@ -410,8 +412,7 @@ class Program:
     read = self._read(tick_i)
     leaves = params.get("leaves", [])
     if zero == 3:
-      after = st.loss if self.options.zero3_reshard else None
-      segs, cast = gathered or self._gather(tick_i, params, after=after)
+      segs, cast = gathered or self._gather(tick_i, params, after=st.loss)
     else:
       segs, cast = None, params.get("cast")
       params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
@@ -580,7 +581,7 @@ class Program:
     `materialize`: each raveled leaf is computed on its own (an optimization barrier)
     instead of fused into the segment's concatenate, whose GPU emitter ran a fused
     bias-gradient reduction with one thread per column: 0.78 ms a block on the
-    1.34B GPT, a fifth of a 4-GPU ZeRO-3 step (RESULTS.md, run AJ)."""
+    1.34B GPT, a fifth of a 4-GPU ZeRO-3 step)."""
     keys = self._segment_keys(grads)
     return self._switch([functools.partial(self._assemble_rank, r, keys=keys, dtype=dtype,
                                            materialize=materialize)

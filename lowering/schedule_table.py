@@ -26,7 +26,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-__all__ = ["TaskKind", "Store", "Round", "ScheduleTable", "build_table"]
+__all__ = ["TaskKind", "Store", "Round", "ScheduleTable", "build_table", "pair_rounds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ class _Life:
   row: int = -1
 
 
-def _rounds(pairs: set[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+def pair_rounds(pairs: set[tuple[int, int]]) -> list[list[tuple[int, int]]]:
   """(source, destination) pairs in rounds where each rank sends and receives at most once."""
   rounds: list[list[tuple[int, int]]] = []
   for a, b in sorted(pairs):
@@ -256,8 +256,7 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
           write_rows[ti, rank, s, i] = row(k, rank)
 
   rounds = []
-  pair_rounds = _rounds({(a, b) for (_, a, b) in sends})
-  for perm in pair_rounds:
+  for perm in pair_rounds({(a, b) for (_, a, b) in sends}):
     per_sender = [[store_of(k) for k in sends[(ti, a, b)]]
                   for (ti, a, b) in sends if (a, b) in perm]
     rounds.append(Round(tuple(perm), tuple(_positions(per_sender))))
