@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import piper_jax as pj
-from models import random_batch
+from models import assert_same_run, init_mlp, mlp_loss, random_batch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -136,3 +136,10 @@ def test_zero2_keeps_gradients_sharded():
   temp2, model_bytes, _ = _temp_bytes(2)
   temp0, _, _ = _temp_bytes(0)
   assert temp2 < model_bytes and temp2 < 0.5 * temp0, (temp2, model_bytes, temp0)
+
+
+def test_zero3_kept_gathered_gives_one_devices_numbers():
+  # zero3_reshard=False: the backward reads its forward's gathered weights.
+  assert_same_run(mlp_loss(2), init_mlp(jax.random.PRNGKey(0), 2),
+                  pj.strategies.data_parallel(4, zero=3),
+                  options=pj.LoweringOptions(zero3_reshard=False))
