@@ -20,7 +20,7 @@ from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering.options import LoweringOptions
 
-__all__ = ["ParamLayout", "Home", "match_positions", "signature"]
+__all__ = ["ParamLayout", "Home", "Spread", "match_positions", "signature"]
 
 SHARED = -1  # the slot index of the buffer every rank holds (tied or unused parameters)
 SPLIT = -2   # the slot index of leaves split by shard / shard_tensor (kept unpacked)
@@ -112,6 +112,24 @@ class Home:
   shape: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Spread:
+  """A slot stored spread over all devices: its pipeline ranks' parts end to end, padded
+  at the end to `size` elements (a multiple of the device count) and stored as
+  [devices, size / devices] (two dimensions, as every other buffer: an optimizer's
+  mask that reads `ndim` sees buffers alike). `lengths[r]`: the elements of rank r's part."""
+
+  lengths: tuple[int, ...]
+  size: int
+
+  def offset(self, rank: int) -> int:
+    return sum(self.lengths[:rank])
+
+
+# Spread a slot when stacking its ranks' parts would pad it by more than this fraction.
+SPREAD_PADDING = 0.25
+
+
 class ParamLayout:
   """Parameter leaves packed per (pipeline rank, slot, dtype), in dp-sized chunks.
 
@@ -122,6 +140,13 @@ class ParamLayout:
   shards it by keeping one chunk per replica. Buffers per dtype: `slots[dtype]`, a
   list with one [n_pp, n_dp, chunk] array per slot of `slot_ids[dtype]`, and
   `shared[dtype]`: [n_dp, C_shared].
+
+  Stacking pads each rank's part of a slot to the largest rank's: a pipeline whose
+  first stage holds a large embedding would give every rank that many bytes of
+  parameters and optimizer state. Below ZeRO-3 such slots (`spread`, see
+  `options.spread_uneven_slots`) are stored as one flat array over all devices
+  (`Spread`), an even share per device, and laid out stacked only inside the step
+  (`to_working`, `from_working`), where the optimizer never sees them.
   """
 
   def __init__(self, model: ModelSpec, plan: Plan,
@@ -139,9 +164,9 @@ class ParamLayout:
     self.params = model.params
     # Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
     # once per step: one target per dtype (the commonest), in slots of their own.
-    # (Pipelines once cast in every task instead, for compile time; with the rolled
-    # loop and its command buffers, casting once is faster and compiles faster: 268M
-    # 1F1B 48.8 vs 50.0 ms, 27 vs 32 s, run AZ.)
+    # In pipelines too: with the rolled loop and its command buffers, casting once is
+    # faster and compiles faster than casting in every task (268M 1F1B on 2 x H200:
+    # 48.8 vs 50.0 ms, 27 vs 32 s).
     if self.n_pp > 1 and self.zero < 3 and not options.cast_in_pipelines:
       casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
@@ -198,12 +223,27 @@ class ParamLayout:
     # The slots that hold leaves of each dtype, in the order of `slots[dtype]`.
     self.slot_ids = {dt: [j for j in range(self.n_slots) if self.chunk.get((j, dt), 0)]
                      for dt in self.dtypes}
+    self.n_devices = self.n_pp * mesh.n_dp
+    self.all_axes = mesh.axis_names
+    self.spread: dict[tuple[int, str], Spread] = {}
+    if self.n_pp > 1 and self.zero < 3 and options.spread_uneven_slots:
+      for (j, dt), chunk in self.chunk.items():
+        if j == SHARED:
+          continue
+        lengths = [0] * self.n_pp
+        for h in self.home:
+          if h.slot == j and h.dtype == dt:
+            lengths[h.rank] = max(lengths[h.rank], h.offset + h.size)
+        content = sum(lengths)
+        if content and self.n_pp * self.n_dp * chunk > (1 + SPREAD_PADDING) * content:
+          size = math.ceil(content / self.n_devices) * self.n_devices
+          self.spread[(j, dt)] = Spread(tuple(lengths), size)
     self.cast_slots = {(h.slot, h.dtype) for p, h in enumerate(self.home) if p in self.cast}
     self._index = {(j, dt): i for dt, js in self.slot_ids.items() for i, j in enumerate(js)}
     # A pipeline's cast leaves, unpacked once per step into arrays of their own that
     # every tick's switch passes through: sliced from a packed segment inside a tick,
     # each weight is copied (a memcpy for cuBLAS) by every task reading it, F's and B's:
-    # 2 copies of the stage's weights a tick (run BE). The arrays are flat, so ranks
+    # 2 copies of the stage's weights a tick. The arrays are flat, so ranks
     # share positions by size (`match_positions`; a GPT's embedding on the first rank
     # and its head on the last share one); a rank fills the others' with zeros.
     self.unpacked_positions: list[tuple] = []
@@ -241,10 +281,16 @@ class ParamLayout:
       return self.n_dp * self.shared_chunk[dtype]
     return self.n_dp * self.chunk.get((slot, dtype), 0)
 
-  def shapes(self) -> dict:
+  def _slot_shape(self, j: int, dt: str, working: bool) -> tuple[int, ...]:
+    if not working and (j, dt) in self.spread:
+      return (self.n_devices, self.spread[(j, dt)].size // self.n_devices)
+    return (self.n_pp, self.n_dp, self.chunk[(j, dt)])
+
+  def shapes(self, working: bool = False) -> dict:
+    """The buffers' shapes as stored (`working`: as the step's body reads them)."""
     return {
-        "slots": {dt: [jax.ShapeDtypeStruct((self.n_pp, self.n_dp, self.chunk[(j, dt)]),
-                                            jnp.dtype(dt)) for j in self.slot_ids[dt]]
+        "slots": {dt: [jax.ShapeDtypeStruct(self._slot_shape(j, dt, working), jnp.dtype(dt))
+                       for j in self.slot_ids[dt]]
                   for dt in self.dtypes},
         "shared": {dt: jax.ShapeDtypeStruct((self.n_dp, self.shared_chunk[dt]), jnp.dtype(dt))
                    for dt in self.dtypes},
@@ -261,11 +307,12 @@ class ParamLayout:
       return None
     return next((d for d, n in enumerate(shape) if n % copies == 0), None)
 
-  def specs(self, sharded: bool, split_sharded: bool = False) -> dict:
+  def specs(self, sharded: bool, split_sharded: bool = False, working: bool = False) -> dict:
     """PartitionSpecs of the buffers: chunks sharded over the data axes when `sharded`
     (ZeRO); split leaves' pieces over their group's axis ("ep" or "tp"), and over
     their copies too when `split_sharded` (ZeRO's sharding of their gradients and
-    optimizer state, and with ZeRO-3 of the pieces themselves)."""
+    optimizer state, and with ZeRO-3 of the pieces themselves). Spread slots are
+    stored over all devices; `working`: the stacked layout the step's body reads."""
     dp = self.data_axes if sharded else None
     split = []
     for pos, (shape, _, kind) in enumerate(self.split_positions):
@@ -274,27 +321,39 @@ class ParamLayout:
       if d is not None:
         dims[d] = self.copies[kind][0]
       split.append(P("pp", kind, *dims))
-    return {"slots": {dt: [P("pp", dp, None)] * len(self.slot_ids[dt]) for dt in self.dtypes},
+    slot = lambda j, dt: (P(self.all_axes, None) if not working and (j, dt) in self.spread
+                          else P("pp", dp, None))
+    return {"slots": {dt: [slot(j, dt) for j in self.slot_ids[dt]] for dt in self.dtypes},
             "shared": {dt: P(dp, None) for dt in self.dtypes},
             "split": split}
 
   # -- packing --------------------------------------------------------------
 
-  def _segment(self, leaves: Sequence[jax.Array], rank: int | None, slot: int, dt: str):
+  def _part(self, leaves: Sequence[jax.Array], rank: int | None, slot: int, dt: str):
+    """A rank's leaves of a (slot, dtype), flat and end to end (offsets leave no gaps)."""
     parts = [(h.offset, jnp.ravel(x)) for x, h in zip(leaves, self.home)
              if h.rank == rank and h.slot == slot and h.dtype == dt]
     parts.sort(key=lambda t: t[0])
-    flat = jnp.concatenate([x for _, x in parts]) if parts else jnp.zeros((0,), jnp.dtype(dt))
+    return jnp.concatenate([x for _, x in parts]) if parts else jnp.zeros((0,), jnp.dtype(dt))
+
+  def _segment(self, leaves: Sequence[jax.Array], rank: int | None, slot: int, dt: str):
+    flat = self._part(leaves, rank, slot, dt)
     n = self.segment_size(slot, dt)
     return jnp.pad(flat, (0, n - flat.shape[0])).reshape(self.n_dp, n // self.n_dp)
+
+  def _pack_slot(self, leaves: Sequence[jax.Array], j: int, dt: str) -> jax.Array:
+    if (j, dt) in self.spread:
+      flat = jnp.concatenate([self._part(leaves, rank, j, dt) for rank in range(self.n_pp)])
+      flat = jnp.pad(flat, (0, self.spread[(j, dt)].size - flat.shape[0]))
+      return flat.reshape(self.n_devices, -1)
+    return jnp.stack([self._segment(leaves, rank, j, dt) for rank in range(self.n_pp)])
 
   def pack(self, leaves: Sequence[jax.Array]) -> dict:
     """Parameter leaves (in pytree order) -> the buffers of `shapes()`."""
     leaves = [jnp.asarray(x) for x in leaves]
     slots, shared = {}, {}
     for dt in self.dtypes:
-      slots[dt] = [jnp.stack([self._segment(leaves, rank, j, dt) for rank in range(self.n_pp)])
-                   for j in self.slot_ids[dt]]
+      slots[dt] = [self._pack_slot(leaves, j, dt) for j in self.slot_ids[dt]]
       shared[dt] = self._segment(leaves, None, SHARED, dt)
     split = []
     for pos, (shape, dt, kind) in enumerate(self.split_positions):
@@ -317,10 +376,40 @@ class ParamLayout:
         seg = buffers["shared"][h.dtype].reshape(-1)
       elif h.size == 0:
         seg = jnp.zeros((0,), jnp.dtype(h.dtype))
+      elif (h.slot, h.dtype) in self.spread:
+        flat = buffers["slots"][h.dtype][self._index[(h.slot, h.dtype)]]
+        seg = flat.reshape(-1)[self.spread[(h.slot, h.dtype)].offset(h.rank):]
       else:
         seg = buffers["slots"][h.dtype][self._index[(h.slot, h.dtype)]][h.rank].reshape(-1)
       out.append(seg[h.offset:h.offset + h.size].reshape(h.shape))
     return out
+
+  def to_working(self, buffers: dict) -> dict:
+    """Stored buffers -> the stacked layout the step's body reads: each spread slot's
+    ranks' parts as the rows of a [n_pp, n_dp, chunk] array (outside shard_map: XLA
+    moves the pieces)."""
+    def rows(x, j, dt):
+      sp, n, flat = self.spread[(j, dt)], self.n_dp * self.chunk[(j, dt)], x.reshape(-1)
+      return jnp.stack([jnp.pad(lax.slice(flat, (sp.offset(r),), (sp.offset(r) + sp.lengths[r],)),
+                                (0, n - sp.lengths[r])).reshape(self.n_dp, n // self.n_dp)
+                        for r in range(self.n_pp)])
+    return self._map_spread(buffers, rows)
+
+  def from_working(self, buffers: dict) -> dict:
+    """The inverse of `to_working` (the step's gradients -> the stored layout)."""
+    def flat(x, j, dt):
+      sp = self.spread[(j, dt)]
+      parts = jnp.concatenate([x[r].reshape(-1)[:sp.lengths[r]] for r in range(self.n_pp)])
+      return jnp.pad(parts, (0, sp.size - parts.shape[0])).reshape(self.n_devices, -1)
+    return self._map_spread(buffers, flat)
+
+  def _map_spread(self, buffers: dict, fn) -> dict:
+    if not self.spread:
+      return buffers
+    slots = {dt: [fn(x, j, dt) if (j, dt) in self.spread else x
+                  for j, x in zip(self.slot_ids[dt], xs)]
+             for dt, xs in buffers["slots"].items()}
+    return dict(buffers, slots=slots)
 
   # -- inside shard_map -----------------------------------------------------
 

@@ -165,12 +165,16 @@ def _subjaxpr(eqn):
   return None
 
 
-def packed_update_reason(optimizer, params: Any) -> str | None:
+def packed_update_reason(optimizer, params: Any, buffers: Any = None) -> str | None:
   """Why `optimizer.update` may not run on packed buffers, or None when it may.
 
   Args:
     optimizer: an optax `GradientTransformation`.
     params: the parameters (or `jax.ShapeDtypeStruct`s) in the user's pytree.
+    buffers: the packed buffers' shapes; when given, the update traced on them must
+      run the same equations as on the user's leaves of each dtype. A mask or label
+      function reads whatever tree it is given (paths, `ndim`), and on buffers it
+      may choose otherwise than on the leaves.
 
   Returns:
     None when every update and per-leaf state element is computed from the same
@@ -178,6 +182,22 @@ def packed_update_reason(optimizer, params: Any) -> str | None:
     for every leaf of a dtype (plus scalars that sum all leaves alike); otherwise a
     sentence naming what the optimizer does per leaf.
   """
+  sigs = _signatures(optimizer, params)
+  if isinstance(sigs, str) or buffers is None:
+    return sigs if isinstance(sigs, str) else None
+  on_buffers = _signatures(optimizer, buffers)
+  if isinstance(on_buffers, str):
+    return f"on the packed buffers, {on_buffers}"
+  for key, sig in on_buffers.items():
+    if key in sigs and sigs[key] != sig:
+      return (f"its {key[0]} on the packed buffers differ from those on the leaves: a mask "
+              f"or label function that reads the tree's paths or shapes")
+  return None
+
+
+def _signatures(optimizer, params: Any) -> dict | str:
+  """Per (output, dtype[, state part]): the one signature of the equations every leaf
+  of that dtype runs; or why there is no such signature."""
   leaves, ptree = jax.tree_util.tree_flatten(params)
   shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in leaves]
   abstract = jax.tree_util.tree_unflatten(ptree, shapes)
@@ -229,7 +249,7 @@ def packed_update_reason(optimizer, params: Any) -> str | None:
       a, b = sorted(sigs.values())[:2]
       return (f"its {what} differ from leaf to leaf ({paths[a]} and {paths[b]}): a mask, "
               f"per-leaf labels or hyperparameters, or a shape-dependent rule")
-  return None
+  return {key: next(iter(sigs)) for key, sigs in groups.items()}
 
 
 def _leaf_sig(v: _Value, k: int):

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import jax
-import dataclasses
-
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from piper_jax.ir.directives import Directive, load_directives
+from piper_jax.ir.directives import (Directive, Replicate, ShardTensor, Split,
+                                      load_directives)
 from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering import compat
@@ -61,26 +62,51 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 
 def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
-  """Traces the loss, places it to learn the microbatch size, and plans it traced at that size.
+  """Traces the loss at the microbatch size and plans it.
 
-  Placing (`place_graph`) fixes the mesh and the microbatches, so the collectives,
-  orders and ticks are worked out once, for the model traced at the microbatch size.
+  The microbatch size depends on the mesh and the microbatches, which placing the
+  traced model fixes (`place_graph`). The loss is traced first at the size the
+  directives suggest (`_guess_microbatch`), and again only when placing says otherwise:
+  tracing a large model is most of `pj.compile`'s own time.
   """
+  leaves = jax.tree_util.tree_leaves(example_batch)
+  batch_size = int(np.shape(leaves[0])[0]) if leaves else 0
+  at = lambda n: jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((n,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
+      example_batch)
+  guess = _guess_microbatch(directives, batch_size)
+  if guess is not None and guess < batch_size:
+    traced = trace_loss(loss_fn, params, at(guess))
+    try:
+      plan = make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
+    except Exception:  # noqa: BLE001 - planned again below, where the error is raised
+      plan = None
+    if plan is not None and batch_size == guess * plan.mesh.n_data * plan.n_microbatches:
+      return traced, plan
   traced = trace_loss(loss_fn, params, example_batch)
   placed = place_graph(traced.spec, directives, n_devices)
-  batch_size = traced.spec.batch_size
   mbs = batch_size // (placed.mesh.n_data * placed.n_microbatches)
   if mbs == batch_size:
     return traced, finish_plan(traced.spec, directives, placed)
-  mb_batch = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct((mbs,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
-      example_batch)
   full = traced
-  traced = trace_loss(loss_fn, params, mb_batch)
+  traced = trace_loss(loss_fn, params, at(mbs))
   if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
     raise ValueError("the model's regions depend on the batch size; annotate regions the "
                      "same way for every batch size")
   return traced, make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
+
+
+def _guess_microbatch(directives, batch_size: int) -> int | None:
+  """The microbatch size the directives suggest: the batch over the microbatches of
+  `split` and the data-parallel copies of the widest `replicate` (over its
+  `shard_tensor` group, whose devices share rows); None without microbatches."""
+  n_mb = math.prod(d.num_microbatches for d in directives if isinstance(d, Split))
+  copies = max([len(d.devices) for d in directives if isinstance(d, Replicate)] + [1])
+  tp = max([len(d.devices) for d in directives if isinstance(d, ShardTensor)] + [1])
+  ways = n_mb * max(copies // tp, 1)
+  if ways == 1 or batch_size % ways:
+    return None
+  return batch_size // ways
 
 
 def plan(loss_fn: Callable, directives, params: Any, example_batch: Any, n_devices: int) -> Plan:
@@ -130,18 +156,19 @@ class TrainStep:
     grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
     n_batch = len(traced.spec.batch)
     batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")
+    # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
     body = _shard_map(self._program.body, self.mesh,
-                      in_specs=(param_specs, [batch_spec] * n_batch),
-                      out_specs=(grad_specs, P()))
+                      in_specs=(layout.specs(sharded, sharded, working=True), [batch_spec] * n_batch),
+                      out_specs=(layout.specs(zero >= 1, zero >= 1, working=True), P()))
     to_sharding = lambda specs: jax.tree_util.tree_map(
         lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     self._param_shardings = to_sharding(param_specs)
     # The optimizer updates the packed buffers when it treats every element alike;
     # otherwise (masks, per-leaf labels, factored or matrix updates) whole leaves.
     param_shapes = jax.tree_util.tree_unflatten(traced.param_tree, [x for _, x in traced.param_leaves])
-    self.leaf_update: str | None = packed_update_reason(optimizer, param_shapes)
+    shapes = layout.shapes()
+    self.leaf_update: str | None = packed_update_reason(optimizer, param_shapes, shapes)
     if self.leaf_update is None:
-      shapes = layout.shapes()
       self._opt_shapes = jax.eval_shape(optimizer.init, shapes)
       # Optimizer state leaves shaped like a parameter buffer are partitioned like
       # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
@@ -161,7 +188,8 @@ class TrainStep:
     replicated = NamedSharding(self.mesh, P())
 
     def step_fn(state: TrainState, batch: list):
-      grads, loss = body(state.params, batch)
+      grads, loss = body(layout.to_working(state.params), batch)
+      grads = layout.from_working(grads)
       if self.leaf_update is None:
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss

@@ -59,6 +59,29 @@ def test_leaf_dependent_optimizers_are_named():
                               params) is None
 
 
+def test_a_mask_that_reads_paths_is_checked_on_the_buffers_too():
+  # Every leaf of this model is a kernel, so on the user's tree the mask is all True
+  # and the update uniform; on the packed buffers (paths "slots", "shared") it is all
+  # False, which would leave every parameter frozen, were the buffers not checked.
+  params = {"kernel_a": np.ones((4, 4), np.float32), "kernel_b": np.ones((4, 2), np.float32)}
+  by_path = lambda t: jax.tree_util.tree_map_with_path(
+      lambda p, _: "kernel" in jax.tree_util.keystr(p), t)
+  tx = optax.masked(optax.sgd(1.0), by_path)
+  assert packed_update_reason(tx, params) is None
+  shapes = {"slots": {"float32": [jax.ShapeDtypeStruct((2, 2, 12), np.float32)]}}
+  assert "packed buffers" in packed_update_reason(tx, params, shapes)
+  assert packed_update_reason(optax.sgd(1.0), params, shapes) is None
+  loss = lambda p, b: ((b["x"][:, :4] @ p["kernel_a"] @ p["kernel_b"]) ** 2).mean()
+  batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros((8,), np.int32)}
+  step = pj.compile(loss, tx, pj.strategies.data_parallel(4, zero=1), params, batch)
+  assert step.leaf_update is not None
+  state, _ = step(step.init(params), batch)
+  grads = jax.grad(loss)(params, batch)
+  got = step.params(state)
+  for k in params:
+    np.testing.assert_allclose(got[k], params[k] - grads[k], rtol=1e-6, atol=1e-7)
+
+
 MASKED = optax.chain(optax.clip_by_global_norm(0.5),
                      optax.adamw(1e-2, eps=1e-6, weight_decay=0.5, mask=_no_decay_on_vectors))
 

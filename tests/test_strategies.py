@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import piper_jax as pj
-from models import assert_same_run, init_mlp, mlp_loss, piper_run
+from models import assert_same_run, init_mlp, mlp_loss, piper_run, random_batch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -501,3 +501,22 @@ def test_lowering_options_are_one_argument():
                     _batch()).options.remat is True
   with pytest.raises(ValueError, match="max_carry_depth must be >= 1"):
     pj.LoweringOptions(max_carry_depth=0)
+
+
+@pytest.mark.parametrize("directives,traces", [
+    (pj.strategies.pipeline(2, 4, "1f1b", dp=2), 1),
+    (pj.strategies.data_parallel(4), 1),
+    ([pj.place({}, [0])], 1),
+])
+def test_the_loss_is_traced_once_at_the_microbatch_size(directives, traces):
+  # Tracing a large model is most of pj.compile's own time.
+  loss, params = _mlp(2)
+  seen = []
+
+  def counted(p, b):
+    seen.append(b["x"].shape[0])
+    return loss(p, b)
+
+  batch = random_batch(jax.random.PRNGKey(0), 16)
+  step = pj.compile(counted, optax.sgd(0.1), directives, params, batch)
+  assert len(seen) == traces and seen[-1] == 16 // (step.plan.mesh.n_data * step.plan.n_microbatches)
