@@ -22,7 +22,7 @@ one group. `shmap-accum` is the same with each device's rows split into `--micro
 a 1F1B pipeline of M microbatches on P ranks can reach at most M / (M + P - 1).
 A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
 experts are split over each rank's data-parallel devices. The dense GPT's pipeline
-stages get equal blocks (with cuDNN attention the fastest split measured, run AD); a
+stages get equal blocks (with cuDNN attention the fastest split measured); a
 `+balanced` suffix gives them `gpt.balanced_stage_layers` (the last stage fewer, for
 the head and the loss). A `+mask` suffix trains
 with adamw that does not decay vectors (biases, norms): piper-jax then updates whole
@@ -49,9 +49,12 @@ not the smaller ones they are cheaply made from (`LoweringOptions.slim_carry` of
 lets the rolled loop carry values up to 4 iterations (`LoweringOptions.max_carry_depth`), so that
 DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
 `+loop` lowers a pipeline as one loop over all its ticks, the plan as data
-(`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default).
+(`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default);
+`+syncx` has the loop exchange values after the task that makes them, not beside the
+next iteration's task (`LoweringOptions.overlap_exchange` off).
 `+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
-backward (`LoweringOptions.zero3_reshard` off).
+backward (`LoweringOptions.zero3_reshard` off). `+spread` stores slots whose pipeline ranks' parts
+are uneven spread over all devices (`LoweringOptions.spread_uneven_slots`).
 `+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
 update mode and the allocator it needs), beside the same variant without them.
@@ -61,13 +64,11 @@ an out-of-memory error ends only that row), one after another on the same device
 For each: median step time over `--steps` steps after `--warmup`, as a training loop runs
 them (each step called before the previous one's loss is waited for, so the host
 prepares the next step while the GPU runs this one; "blocked ms" is the median with
-the host waiting for each step before calling the next, the step time of sessions
-1-19; "host ms" is how long a step's call takes to return: when it is close to "step
+the host waiting for each step before calling the next; "host ms" is how long a step's call takes to return: when it is close to "step
 ms" and "step ms" is no less than "blocked ms", the host is the limit), tokens/s, MFU
 (against the dense bf16 peak of the card, `examples.gpt.PEAK_FLOPS`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
-step, plus `pj.compile`'s own tracing and planning, `build_s`, which rows before
-session 20 left out), and the ratio of tokens/s to the matching plain-JAX baseline.
+step, plus `pj.compile`'s own tracing and planning, `build_s`), and the ratio of tokens/s to the matching plain-JAX baseline.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
              "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
+             "spread", "syncx",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -316,6 +318,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
         wide_weight_grads="nowidegrad" not in mods,
         slim_carry="noslimcarry" not in mods,
         zero3_reshard="keepgathered" not in mods,
+        spread_uneven_slots="spread" in mods,
+        overlap_exchange="syncx" not in mods,
         compiler_options={} if "nocmdbuf" in mods else None)
     t0 = time.perf_counter()
     call = pj.compile(loss_fn, tx, directives, params, batches[0], options=options)
@@ -365,8 +369,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   loss.block_until_ready()
   done.append(time.perf_counter())
   step_s = float(np.median(np.diff(done)))
-  # The same steps with the host waiting for each before calling the next (sessions
-  # 1-19's step time): the GPU idles while the host launches the step's first work.
+  # The same steps with the host waiting for each before calling the next: the GPU
+  # idles while the host launches the step's first work.
   blocked = []
   for i in range(steps):
     t0 = time.perf_counter()

@@ -4,15 +4,15 @@
 region's F, B, BI and BW once, whatever the schedule or the number of microbatches.
 What changes from tick to tick is data, built here (numpy, no JAX):
 
-* per tick, rank and sub-step (a rank may run several tasks in one tick), the task
-  kind to run (an index into `kinds`, 0 for none) and its microbatch;
+* per iteration (a sub-step of a tick: a rank may run several tasks in one tick) and
+  rank, the task kind to run (an index into `kinds`, 0 for none) and its microbatch;
 * every value a task makes or reads (an activation, a stored residual, a cotangent, a
   weight-gradient residual) lives in a `Store`, one per (shape, dtype): a buffer of
   `depth` rows plus one scratch row that values nobody reads are written to. Rows are
   given to values for the ticks they are live, so a store holds the values that are
   live at once, not one row per microbatch;
-* the values ranks exchange travel in `Round`s, one `ppermute` each per tick, at fixed
-  positions; a rank with nothing to send in a tick sends its scratch row.
+* the values ranks exchange travel in `Round`s, one `ppermute` each per iteration, at
+  fixed positions; a rank with nothing to send sends its scratch row.
 
 Value keys are whatever hashable keys the caller's `reads`, `produces` and `signature`
 functions use; the table only needs that a task kind reads and makes values of the
@@ -54,7 +54,7 @@ class Store:
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-  """One `ppermute` per tick: pairs (source rank, destination rank), each rank at most
+  """One `ppermute` per iteration: pairs (source rank, destination rank), each rank at most
   once on each side, and the store of each value position it carries."""
 
   perm: tuple[tuple[int, int], ...]
@@ -63,50 +63,40 @@ class Round:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleTable:
-  """A ticked plan as arrays indexed [tick, rank, ...] (see the module docstring).
+  """A ticked plan as arrays indexed [iteration, rank, ...] (see the module docstring).
 
-  code[t, k, s]: 1 + the index in `kinds` of the task rank k runs in sub-step s of tick t,
-  or 0; mb: its microbatch; read_rows[t, k, s, i] / write_rows[t, k, s, i]: the rows of
-  its i-th read and made value in their stores; send_rows[t, k, j, i]: the row rank k
-  sends at position i of round j (its scratch row if it sends nothing there);
-  recv_rows[t, k, j, i]: the row rank k writes what it receives there into.
+  The loop runs one iteration per sub-step of each tick (a tick has as many as its
+  busiest rank has tasks); `tick[i]` / `sub[i]` say which, or -1 for an iteration
+  added only to exchange values (see `overlap`).
+  code[i, k]: 1 + the index in `kinds` of the task rank k runs in iteration i, or 0;
+  mb: its microbatch; read_rows[i, k, n] / write_rows[i, k, n]: the rows of its n-th
+  read and made value in their stores; send_rows[i, k, j, n]: the row rank k sends at
+  position n of round j in iteration i (its scratch row if it sends nothing there);
+  recv_rows[i, k, j, n]: the row rank k writes what it receives there into.
+
+  overlap: False: an iteration's rounds send what its tasks made, after them. True:
+  they send what the iteration before made, read as the iteration starts, so that the
+  exchange runs beside the iteration's tasks; what is received is written after them.
+  A value then reaches another rank two iterations after the one that makes it, and
+  an empty iteration is added where a reader would otherwise wait for it.
   """
 
   kinds: tuple[TaskKind, ...]
   stores: tuple[Store, ...]
   rounds: tuple[Round, ...]
+  tick: np.ndarray
+  sub: np.ndarray
   code: np.ndarray
   mb: np.ndarray
   read_rows: np.ndarray
   write_rows: np.ndarray
   send_rows: np.ndarray
   recv_rows: np.ndarray
+  overlap: bool = False
 
   @property
-  def n_ticks(self) -> int:
+  def n_iterations(self) -> int:
     return self.code.shape[0]
-
-  @property
-  def n_sub(self) -> int:
-    return self.code.shape[2]
-
-  def steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The loop's iterations: per iteration its tick, its sub-step, and whether it is the
-    tick's last (the exchange follows it). A tick has as many sub-steps as its busiest
-    rank has tasks (at least one)."""
-    busy = np.maximum((self.code > 0).sum(axis=2).max(axis=1), 1)
-    tick = np.repeat(np.arange(self.n_ticks), busy)
-    sub = np.concatenate([np.arange(n) for n in busy]) if len(busy) else np.zeros(0, int)
-    last = np.concatenate([np.arange(n) == n - 1 for n in busy]) if len(busy) else np.zeros(0, bool)
-    return tick.astype(np.int32), sub.astype(np.int32), last
-
-  def round_scratch(self) -> np.ndarray:
-    """[round, position]: the scratch row of each round position's store."""
-    out = np.zeros(self.send_rows.shape[2:], np.int32)
-    for j, rnd in enumerate(self.rounds):
-      for i, s in enumerate(rnd.stores):
-        out[j, i] = self.stores[s].scratch
-    return out
 
   def kind_index(self, region: int, pass_) -> int:
     return next(i for i, k in enumerate(self.kinds) if (k.region, k.pass_) == (region, pass_))
@@ -146,18 +136,16 @@ def _positions(per_sender: Sequence[list[int]]) -> list[int]:
 
 
 def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any], list],
-                produces: Callable[[Any], list], signature: Callable[[Hashable], tuple]
-                ) -> ScheduleTable:
+                produces: Callable[[Any], list], signature: Callable[[Hashable], tuple],
+                overlap: bool = False) -> ScheduleTable:
   """The table of `ticks` ([tick][rank] -> tasks with `region`, `pass_`, `mb`).
 
   reads(task) / produces(task): the keys of the values a task reads / makes;
-  signature(key): the value's (shape, dtype). Raises ValueError when a value is read
-  before it is made, or a task kind's values differ in signature between microbatches.
+  signature(key): the value's (shape, dtype); overlap: see `ScheduleTable`. Raises
+  ValueError when a value is read before it is made (on another rank: in the tick it
+  is made), or a task kind's values differ in signature between microbatches.
   """
-  n_ticks = len(ticks)
   n_ranks = len(ticks[0]) if ticks else 0
-  n_sub = max([len(ts) for tick in ticks for ts in tick] + [1])
-  phase = n_sub + 1   # sub-steps, then the exchange, per tick
   sigs: dict[tuple, int] = {}
 
   def store_of(key) -> int:
@@ -177,41 +165,64 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   kind_list = sorted(kinds.values(), key=lambda k: (k.region, str(k.pass_)))
   kind_id = {(k.region, k.pass_): i for i, k in enumerate(kind_list)}
 
-  # Who makes each value, and who reads it where.
-  made: dict[Hashable, tuple[int, int]] = {}       # key -> (rank, time)
+  # The iterations: a tick's sub-steps, in order.
+  steps = [(ti, s) for ti, tick in enumerate(ticks)
+           for s in range(max([len(ts) for ts in tick] + [1]))]
+  made_at: dict[Hashable, tuple[int, int, int]] = {}   # key -> (rank, iteration, tick)
+  for i, (ti, s) in enumerate(steps):
+    for rank, ts in enumerate(ticks[ti]):
+      if s < len(ts):
+        for k in produces(ts[s]):
+          made_at[k] = (rank, i, ti)
+  if overlap:  # an empty iteration where another rank reads a value the iteration after
+    late = set()
+    for i, (ti, s) in enumerate(steps[1:]):
+      for rank, ts in enumerate(ticks[ti]):
+        if s < len(ts):
+          late |= {made_at[k][1] for k in reads(ts[s])
+                   if k in made_at and made_at[k][0] != rank and made_at[k][1] == i}
+    steps = [x for i, st in enumerate(steps) for x in ([st, (-1, -1)] if i in late else [st])]
+  task = {}   # (iteration, rank) -> task
+  for i, (ti, s) in enumerate(steps):
+    for rank, ts in enumerate(ticks[ti] if ti >= 0 else []):
+      if s < len(ts):
+        task[(i, rank)] = ts[s]
+
+  # Times: iteration i's tasks run at 2i, its exchange lands at 2i + 1.
+  made: dict[Hashable, tuple[int, int]] = {}       # key -> (rank, iteration)
   used: dict[tuple[Hashable, int], int] = {}       # (key, rank) -> last read time
   first: dict[tuple[Hashable, int], int] = {}      # (key, rank) -> first read time
-  for ti, tick in enumerate(ticks):
-    for rank, ts in enumerate(tick):
-      for s, t in enumerate(ts):
-        now = ti * phase + s
-        for k in reads(t):
-          used[(k, rank)] = max(used.get((k, rank), now), now)
-          first[(k, rank)] = min(first.get((k, rank), now), now)
-        for k in produces(t):
-          made[k] = (rank, now)
+  for (i, rank), t in sorted(task.items()):
+    for k in reads(t):
+      used[(k, rank)] = max(used.get((k, rank), 2 * i), 2 * i)
+      first[(k, rank)] = min(first.get((k, rank), 2 * i), 2 * i)
+    for k in produces(t):
+      made[k] = (rank, i)
   lives: dict[tuple[Hashable, int], _Life] = {}
-  sends: dict[tuple[int, int, int], list] = {}     # (tick, src, dst) -> keys
-  for k, (rank, now) in made.items():
-    lives[(k, rank)] = _Life(k, store_of(k), now, used.get((k, rank), now))
+  sends: dict[tuple[int, int, int], list] = {}     # (iteration, src, dst) -> keys
+  for k, (rank, i) in made.items():
+    lives[(k, rank)] = _Life(k, store_of(k), 2 * i, used.get((k, rank), 2 * i))
   readers_of: dict[Hashable, list[int]] = {}
   for (k, r) in used:
     readers_of.setdefault(k, []).append(r)
   for k, rs in readers_of.items():
     if k not in made:
       raise ValueError(f"value {k} is read but no task makes it")
-    src, now = made[k]
-    ti = now // phase
+    src, i = made[k]
     for r in sorted(set(rs)):
       if r == src:
-        if first[(k, r)] <= now:
+        if first[(k, r)] <= 2 * i:
           raise ValueError(f"value {k} is read on rank {r} before it is made")
         continue
-      arrive = ti * phase + n_sub
-      if first[(k, r)] <= arrive:
+      if steps[i][0] == steps[first[(k, r)] // 2][0]:
         raise ValueError(f"value {k} is read on rank {r} in the tick it is made on rank {src}")
-      sends.setdefault((ti, src, r), []).append(k)
-      lives[(k, src)].end = max(lives[(k, src)].end, arrive)
+      at = i + 1 if overlap else i     # the iteration whose rounds send it
+      arrive = 2 * at + 1
+      if first[(k, r)] <= arrive:
+        raise ValueError(f"value {k} is read on rank {r} before it arrives from rank {src}")
+      sends.setdefault((at, src, r), []).append(k)
+      # The sender's row stays until the send reads it (overlap: as iteration `at` starts).
+      lives[(k, src)].end = max(lives[(k, src)].end, 2 * at + (0 if overlap else 1))
       lives[(k, r)] = _Life(k, store_of(k), arrive, used[(k, r)])
 
   # Rows: per rank and store, a value takes the lowest row free for its whole life.
@@ -224,57 +235,58 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
       if life.end == life.start and (life.key, rank) not in used:
         continue  # made and never read nor sent: written to the scratch row
       rows = free_at.setdefault(life.store, [])
-      row = next((i for i, end in enumerate(rows) if end < life.start), None)
+      row = next((j for j, end in enumerate(rows) if end < life.start), None)
       if row is None:
         rows.append(life.end)
         row = len(rows) - 1
       rows[row] = life.end
       life.row = row
-    for s, rows in free_at.items():
-      depth[s] = max(depth[s], len(rows))
+    for st, rows in free_at.items():
+      depth[st] = max(depth[st], len(rows))
   sig_list = sorted(sigs, key=sigs.get)
-  stores = tuple(Store(tuple(shape), str(dt), depth[i]) for i, (shape, dt) in enumerate(sig_list))
+  stores = tuple(Store(tuple(shape), str(dt), depth[j]) for j, (shape, dt) in enumerate(sig_list))
 
   def row(key, rank) -> int:
     life = lives.get((key, rank))
     return stores[store_of(key)].scratch if life is None or life.row < 0 else life.row
 
+  n_it = len(steps)
   n_reads = max([len(k.reads) for k in kind_list] + [1])
   n_writes = max([len(k.writes) for k in kind_list] + [1])
-  code = np.zeros((n_ticks, n_ranks, n_sub), np.int32)
-  mb = np.zeros((n_ticks, n_ranks, n_sub), np.int32)
-  read_rows = np.zeros((n_ticks, n_ranks, n_sub, n_reads), np.int32)
-  write_rows = np.zeros((n_ticks, n_ranks, n_sub, n_writes), np.int32)
-  for ti, tick in enumerate(ticks):
-    for rank, ts in enumerate(tick):
-      for s, t in enumerate(ts):
-        code[ti, rank, s] = 1 + kind_id[(t.region, t.pass_)]
-        mb[ti, rank, s] = t.mb
-        for i, k in enumerate(reads(t)):
-          read_rows[ti, rank, s, i] = row(k, rank)
-        for i, k in enumerate(produces(t)):
-          write_rows[ti, rank, s, i] = row(k, rank)
+  code = np.zeros((n_it, n_ranks), np.int32)
+  mb = np.zeros((n_it, n_ranks), np.int32)
+  read_rows = np.zeros((n_it, n_ranks, n_reads), np.int32)
+  write_rows = np.zeros((n_it, n_ranks, n_writes), np.int32)
+  for (i, rank), t in task.items():
+    code[i, rank] = 1 + kind_id[(t.region, t.pass_)]
+    mb[i, rank] = t.mb
+    for n, k in enumerate(reads(t)):
+      read_rows[i, rank, n] = row(k, rank)
+    for n, k in enumerate(produces(t)):
+      write_rows[i, rank, n] = row(k, rank)
 
   rounds = []
   for perm in pair_rounds({(a, b) for (_, a, b) in sends}):
-    per_sender = [[store_of(k) for k in sends[(ti, a, b)]]
-                  for (ti, a, b) in sends if (a, b) in perm]
+    per_sender = [[store_of(k) for k in sends[(i, a, b)]]
+                  for (i, a, b) in sends if (a, b) in perm]
     rounds.append(Round(tuple(perm), tuple(_positions(per_sender))))
   n_pos = max([len(r.stores) for r in rounds] + [1])
-  send_rows = np.zeros((n_ticks, n_ranks, max(len(rounds), 1), n_pos), np.int32)
+  send_rows = np.zeros((n_it, n_ranks, max(len(rounds), 1), n_pos), np.int32)
   recv_rows = np.zeros_like(send_rows)
   for j, rnd in enumerate(rounds):
-    for i, s in enumerate(rnd.stores):
-      send_rows[:, :, j, i] = stores[s].scratch
-      recv_rows[:, :, j, i] = stores[s].scratch
-    for (ti, a, b), keys in sends.items():
+    for n, st in enumerate(rnd.stores):
+      send_rows[:, :, j, n] = stores[st].scratch
+      recv_rows[:, :, j, n] = stores[st].scratch
+    for (i, a, b), keys in sends.items():
       if (a, b) not in rnd.perm:
         continue
       taken: set[int] = set()
       for k in keys:
-        i = next(i for i, s in enumerate(rnd.stores) if s == store_of(k) and i not in taken)
-        taken.add(i)
-        send_rows[ti, a, j, i] = row(k, a)
-        recv_rows[ti, b, j, i] = row(k, b)
-  return ScheduleTable(tuple(kind_list), stores, tuple(rounds), code, mb, read_rows,
-                       write_rows, send_rows, recv_rows)
+        n = next(n for n, st in enumerate(rnd.stores) if st == store_of(k) and n not in taken)
+        taken.add(n)
+        send_rows[i, a, j, n] = row(k, a)
+        recv_rows[i, b, j, n] = row(k, b)
+  tick = np.array([ti for ti, _ in steps], np.int32)
+  sub = np.array([s for _, s in steps], np.int32)
+  return ScheduleTable(tuple(kind_list), stores, tuple(rounds), tick, sub, code, mb, read_rows,
+                       write_rows, send_rows, recv_rows, overlap)

@@ -4,9 +4,9 @@ The loop's body holds each task kind (a region's F, B, BI or BW) once, as a bran
 one `lax.switch`; an iteration is one sub-step of a tick (a rank may run several tasks
 in a tick), and the table says which branch each pipeline rank takes in it, on which
 microbatch, and which rows of the value stores it reads and writes. Every iteration
-ends with the table's rounds of `ppermute`, each rank sending the rows the table names
-for the tick's last sub-step and its scratch rows otherwise (or when it has nothing
-to send).
+runs the table's rounds of `ppermute`, each rank sending the rows the table names (its
+scratch rows when it has nothing to send): after the iteration's task, or, with
+`LoweringOptions.overlap_exchange`, beside it (the values the iteration before made).
 The compiled program's size therefore does not grow with the number of microbatches,
 ticks or schedule: warm-up and cool-down are iterations like the others.
 
@@ -58,7 +58,7 @@ class TickLoop:
     self.prog = prog
     self.table: ScheduleTable = build_table(
         prog.plan.ticks, prog.task_reads, prog.task_produces,
-        lambda key: signature(prog.value_aval(key)))
+        lambda key: signature(prog.value_aval(key)), overlap=prog.options.overlap_exchange)
     # Per kind: the value keys of one of its tasks, with microbatch 0 (the branch finds
     # a value's position in the table's rows by its key).
     self._keys: dict[int, tuple[list, list]] = {}
@@ -128,36 +128,38 @@ class TickLoop:
     """All ticks of the plan from the given gradient sums and loss (sums of every
     position the step adds to must be present)."""
     table = self.table
-    tick_of, sub_of, last = table.steps()
-    n_steps = len(tick_of)
-    scratch = table.round_scratch()
-    code = jnp.asarray(table.code[tick_of, :, sub_of])
-    mb = jnp.asarray(table.mb[tick_of, :, sub_of])
-    read_rows = jnp.asarray(table.read_rows[tick_of, :, sub_of])
-    write_rows = jnp.asarray(table.write_rows[tick_of, :, sub_of])
-    # Sub-steps before a tick's last exchange scratch rows: a conditional around the
-    # exchange would wait for its predicate on the host every iteration.
-    send_rows, recv_rows = (np.where(last[:, None, None, None], rows[tick_of], scratch)
-                            for rows in (table.send_rows, table.recv_rows))
-    send_rows, recv_rows = jnp.asarray(send_rows), jnp.asarray(recv_rows)
+    code, mb, read_rows, write_rows, send_rows, recv_rows = (
+        jnp.asarray(x) for x in (table.code, table.mb, table.read_rows, table.write_rows,
+                                 table.send_rows, table.recv_rows))
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
     stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
     rank = lax.axis_index("pp")
 
-    def step(i, c: LoopCarry) -> LoopCarry:
-      ops = {"carry": c, "params": params, "batch": batch, "mb": mb[i, rank],
-             "read_rows": read_rows[i, rank], "write_rows": write_rows[i, rank]}
-      c = lax.switch(code[i, rank], branches, ops)
-      stores = list(c.stores)
+    def exchange(i, stores: list) -> list:
+      """This iteration's rounds: the rows the table names, from `stores`."""
+      out = []
       for j, rnd in enumerate(table.rounds):
         payload = [lax.dynamic_index_in_dim(stores[st], send_rows[i, rank, j, k], 0,
                                             keepdims=False)
                    for k, st in enumerate(rnd.stores)]
-        got = lax.ppermute(payload, "pp", perm=list(rnd.perm))
+        out.append(lax.ppermute(payload, "pp", perm=list(rnd.perm)))
+      return out
+
+    def step(i, c: LoopCarry) -> LoopCarry:
+      # With `overlap`, what the iteration before made is sent before this iteration's
+      # task, which does not wait for it: XLA runs the exchange beside the task.
+      got = exchange(i, c.stores) if table.overlap else None
+      ops = {"carry": c, "params": params, "batch": batch, "mb": mb[i, rank],
+             "read_rows": read_rows[i, rank], "write_rows": write_rows[i, rank]}
+      c = lax.switch(code[i, rank], branches, ops)
+      stores = list(c.stores)
+      if got is None:
+        got = exchange(i, stores)
+      for j, rnd in enumerate(table.rounds):
         for k, st in enumerate(rnd.stores):
-          stores[st] = lax.dynamic_update_index_in_dim(stores[st], got[k],
+          stores[st] = lax.dynamic_update_index_in_dim(stores[st], got[j][k],
                                                        recv_rows[i, rank, j, k], 0)
       return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
-    return lax.fori_loop(0, n_steps, step,
+    return lax.fori_loop(0, table.n_iterations, step,
                          LoopCarry(stores, acc, split_acc, loss))
