@@ -296,10 +296,10 @@ def balanced_stage_layers(config: GPTConfig, n_stages: int) -> tuple[int, ...]:
   The last stage also runs the output head and the loss; they count as
   `head FLOPs / block FLOPs + 1` blocks, the one for the softmax and cross-entropy
   over the vocabulary, which are memory-bound (a 268M GPT profiled on H200 spent
-  about a block's time on them; benchmarks/RESULTS.md). The first stage's
+  about a block's time on them). The first stage's
   embedding lookup counts as nothing. That calibration dates from XLA's attention:
-  with cuDNN attention the equal split ran faster on 2 x H200 (268M: 8/8 blocks 7%
-  faster than 10/6; run AD).
+  with cuDNN attention the equal split ran faster on H200s (268M: 8/8 blocks 7%
+  faster than 10/6; benchmarks/RESULTS.md, 4 x H200).
   """
   d, L, T = config.d_model, config.n_layers, config.seq_len
   block = (4 + 2 * config.mlp_ratio) * d * d + 2 * d * T
