@@ -35,10 +35,11 @@ from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
                                         backward_weight, full_residuals, region_backward,
                                         region_forward, split_backward)
-from piper_jax.lowering.rolling import Window, find_window, shift_loc
+from piper_jax.lowering.rolling import Window, find_window
 from piper_jax.lowering.schedule_table import pair_rounds
 from piper_jax.lowering.tick_loop import TickLoop
-from piper_jax.lowering.values import ValueKey, ValueKind
+from piper_jax.lowering.values import (Exchange, Kept, Location, Received, TickValues,
+                                       ValueKey, ValueKind)
 
 __all__ = ["Program"]
 
@@ -210,8 +211,8 @@ class Program:
     for t in plan.tasks.values():
       for key in self.task_reads(t):
         readers.setdefault(key, []).append(t)
-    self.loc: dict[tuple, tuple] = {}   # (key, reader rank) -> array key of the value
-    self.ticks: list[dict] = []         # per tick: keep positions, rounds, grad positions
+    self.loc: dict[tuple, Location] = {}   # (key, reader rank) -> where the reader finds it
+    self.ticks: list[TickValues] = []
     for tick_i, tick in enumerate(plan.ticks):
       keep_vals = {rank: [] for rank in range(plan.n_ranks)}
       msgs: dict[tuple[int, int], list] = {}
@@ -225,25 +226,25 @@ class Program:
       rounds = pair_rounds(set(msgs))
       keep_pos, keep_where = match_positions(keep_vals)
       for (rank, key), pos in keep_where.items():
-        self.loc[(key, rank)] = ("keep", tick_i, pos)
+        self.loc[(key, rank)] = Kept(tick_i, pos)
       round_info = []
       for ri, rnd in enumerate(rounds):
         pos, where = match_positions({a: msgs[(a, b)] for a, b in rnd})
         for a, b in rnd:
           for key, _ in msgs[(a, b)]:
-            self.loc[(key, b)] = ("recv", tick_i, ri, where[(a, key)])
-        round_info.append((rnd, pos, where))
+            self.loc[(key, b)] = Received(tick_i, ri, where[(a, key)])
+        round_info.append(Exchange(tuple(rnd), tuple(pos), where))
       grad_pos = sorted({self.grad_where[(rank, p)] for rank, tasks in enumerate(tick)
                          for t in tasks if t.pass_ in _GRAD_PASSES
                          for p in self._grad_leaves(t.region)})
-      self.ticks.append({"keep": (keep_pos, keep_where), "rounds": round_info, "grads": grad_pos})
+      self.ticks.append(TickValues(tuple(keep_pos), keep_where, tuple(round_info), tuple(grad_pos)))
     self.buckets = self._plan_buckets()
 
   def _plan_buckets(self) -> dict[int, list[list[int]]]:
     """ZeRO-0 with bucket_mb: per tick, the buckets of gradient positions that become final."""
     if self.layout.zero != 0 or not self.plan.bucket_mb or self.layout.n_dp == 1:
       return {}
-    last = {pos: t for t, info in enumerate(self.ticks) for pos in info["grads"]
+    last = {pos: t for t, info in enumerate(self.ticks) for pos in info.grads
             if pos < self.split_grad0}
     limit = self.plan.bucket_mb * 2**20
     out: dict[int, list[list[int]]] = {}
@@ -304,7 +305,8 @@ class Program:
     st = _State()
     layout = self.layout
     if layout.shards_masters:  # whole for the step, cast slots gathered in bf16
-      params = layout.gather_masters(params)
+      with jax.named_scope("pj:step start"):
+        params = layout.gather_masters(params)
     # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
     # are cast once per step here (under `shards_masters` they arrive gathered in that
     # dtype, and the cast is a no-op), or all-gathered in that dtype per tick under ZeRO-3,
@@ -322,17 +324,20 @@ class Program:
         params["leaves"] = layout.unpack_cast(params)
     if self.tick_loop is not None:
       st.acc, st.split_acc = self.zero_sums()
-      out = self.tick_loop.run(params, batch, st.acc, st.split_acc, st.loss)
+      with jax.named_scope("pj:tick loop"):
+        out = self.tick_loop.run(params, batch, st.acc, st.split_acc, st.loss)
       st.acc, st.split_acc, st.loss = out.acc, out.split_acc, out.loss
     else:
       self._run_ticks(st, params, batch)
     acc = st.acc
-    if self.layout.zero < 2:
-      # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
-      acc = self._assemble(acc, self.reduce_dtype, materialize=not self.buckets) if acc else {}
-    out = self._finish_grads(acc)
-    out["split"] = self._finish_split(st.split_acc)
-    return out, lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
+    with jax.named_scope("pj:step end"):
+      if self.layout.zero < 2:
+        # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
+        acc = self._assemble(acc, self.reduce_dtype, materialize=not self.buckets) if acc else {}
+      out = self._finish_grads(acc)
+      out["split"] = self._finish_split(st.split_acc)
+      loss = lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
+    return out, loss
 
   def _run_ticks(self, st: "_State", params: dict, batch: list) -> None:
     """The plan's ticks one by one, the rolled window (if any) as one loop."""
@@ -340,16 +345,19 @@ class Program:
     ahead = None
     while t < n:
       if w is not None and t == w.start:
-        self._loop(w, st, params, batch)
+        with jax.named_scope(f"pj:ticks {w.start}-{w.stop - 1} rolled"):
+          self._loop(w, st, params, batch)
         t, ahead = w.stop, None
         continue
-      # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
-      # can run beside it (prefetched one tick ahead); what both ticks read is gathered once.
-      gathered = ahead or (self._gather(t, params, after=st.loss)
-                           if self.layout.zero == 3 else None)
-      ahead = (self._gather(t + 1, params, gathered, after=st.loss) if gathered and t + 1 < n
-               and (w is None or t + 1 != w.start) else None)
-      self._tick(t, st, params, batch, 0, gathered=gathered)
+      with jax.named_scope(f"pj:tick {t}"):
+        # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
+        # can run beside it (prefetched one tick ahead); what both ticks read is gathered
+        # once.
+        gathered = ahead or (self._gather(t, params, after=st.loss)
+                             if self.layout.zero == 3 else None)
+        ahead = (self._gather(t + 1, params, gathered, after=st.loss) if gathered and t + 1 < n
+                 and (w is None or t + 1 != w.start) else None)
+        self._tick(t, st, params, batch, 0, gathered=gathered)
       t += 1
 
   def _read(self, tick_i: int) -> set[int]:
@@ -419,10 +427,10 @@ class Program:
     split = self.gather_split_pieces(params["split"], read)
     reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                     for key in self.task_reads(t)
-                    if (key, rank) in loc and loc[(key, rank)][1] < tick_i}, key=str)
+                    if (key, rank) in loc and loc[(key, rank)].tick < tick_i}, key=str)
     # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
     acc_in = {}
-    for pos in info["grads"]:
+    for pos in info.grads:
       sums = st.split_acc if pos >= self.split_grad0 else st.acc if zero < 2 else {}
       if pos in sums:
         acc_in[pos] = sums[pos]
@@ -446,11 +454,11 @@ class Program:
       if made:
         st.loss = st.loss + 0 * jnp.isfinite(made[0].reshape(-1)[0]).astype(st.loss.dtype)
     for pos, x in enumerate(keep):
-      st.arrays[("keep", tick_i, pos)] = x
-    for ri, ((rnd, _, _), payload) in enumerate(zip(info["rounds"], rounds)):
+      st.arrays[Kept(tick_i, pos)] = x
+    for ri, (rnd, payload) in enumerate(zip(info.rounds, rounds)):
       for pos, x in enumerate(payload):
-        st.arrays[("recv", tick_i, ri, pos)] = self._before_next_tick(
-            st, lax.ppermute(x, "pp", perm=rnd))
+        st.arrays[Received(tick_i, ri, pos)] = self._before_next_tick(
+            st, lax.ppermute(x, "pp", perm=list(rnd.perm)))
     for pos in [p for p in grads if p >= self.split_grad0]:
       st.split_acc[pos] = grads.pop(pos)
     if zero >= 2 and grads:
@@ -479,7 +487,7 @@ class Program:
     body_ticks = range(w.start, w.start + w.length)
     # Every sum the loop adds to exists before it, so the carry keeps one structure.
     for t in body_ticks:
-      grads = self.ticks[t]["grads"]
+      grads = self.ticks[t].grads
       for pos in grads:
         if pos >= self.split_grad0:
           st.split_acc.setdefault(pos, _zeros(self.grad_positions[pos]))
@@ -497,19 +505,19 @@ class Program:
                      dict(zip(split_keys, c["split"])), c["loss"])
       for t in body_ticks:
         self._tick(t, inner, params, batch, j * w.mb_shift, reads, in_order=True)
-      return {"carry": [inner.arrays[shift_loc(k, w.length)] for k in w.carry],
+      return {"carry": [inner.arrays[k.shifted(w.length)] for k in w.carry],
               "exits": [inner.arrays[k] for k in w.exits],
               "acc": [inner.acc[k] for k in acc_keys],
               "split": [inner.split_acc[k] for k in split_keys], "loss": inner.loss}
 
     init = {"carry": [self._entry_value(st.arrays, e) for e in w.entry],
-            "exits": [_zeros(self._loc_signature(k)) for k in w.exits],
+            "exits": [_zeros(self.loc_signature(k)) for k in w.exits],
             "acc": [st.acc[k] for k in acc_keys], "split": [st.split_acc[k] for k in split_keys],
             "loss": st.loss}
     out = lax.fori_loop(0, w.iters, iteration, init)
     last = (w.iters - 1) * w.length
-    st.arrays.update({shift_loc(k, last + w.length): x for k, x in zip(w.carry, out["carry"])})
-    st.arrays.update({shift_loc(k, last): x for k, x in zip(w.exits, out["exits"])})
+    st.arrays.update({k.shifted(last + w.length): x for k, x in zip(w.carry, out["carry"])})
+    st.arrays.update({k.shifted(last): x for k, x in zip(w.exits, out["exits"])})
     st.acc = dict(zip(acc_keys, out["acc"]))
     st.split_acc = dict(zip(split_keys, out["split"]))
     st.loss = out["loss"]
@@ -524,10 +532,12 @@ class Program:
     table = jnp.asarray([locs.index(where.get(r, locs[0])) for r in range(self.plan.n_ranks)])
     return lax.select_n(table[lax.axis_index("pp")], *[arrays[k] for k in locs])
 
-  def _loc_signature(self, loc: tuple) -> tuple:
+  def loc_signature(self, loc: Location) -> tuple:
     """(shape, dtype) of the array at a value location."""
-    info = self.ticks[loc[1]]
-    return info["keep"][0][loc[2]] if loc[0] == "keep" else info["rounds"][loc[2]][1][loc[3]]
+    info = self.ticks[loc.tick]
+    if isinstance(loc, Kept):
+      return info.keep_positions[loc.pos]
+    return info.rounds[loc.round].positions[loc.pos]
 
   def _grad_collective(self, op, x, *args, keep_dtype: bool = True, **kwargs):
     """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
@@ -738,7 +748,7 @@ class Program:
 
   def _branch(self, rank: int, tick_i: int, tasks: list[Task], gathered: bool, loc: dict):
     layout, model, info = self.layout, self.model, self.ticks[tick_i]
-    keep_pos, keep_where = info["keep"]
+    keep_pos, keep_where = info.keep_positions, info.keep_where
 
     def run(ops):
       env: dict[tuple, jax.Array] = {}
@@ -766,7 +776,7 @@ class Program:
       # and B used within the tick: it is written once either way, zeros would be an
       # extra write. Nobody reads these positions.
       mine = ({key for (rk, key) in keep_where if rk == rank}
-              | {key for _, _, w in info["rounds"] for (rk, key) in w if rk == rank})
+              | {key for rnd in info.rounds for (rk, key) in rnd.where if rk == rank})
       spare: dict[tuple, list] = {}
       taken = {id(env[key]) for key in mine}  # an array may sit under two keys
       for key, x in env.items():
@@ -786,13 +796,13 @@ class Program:
                      for x, sig in zip(out, positions))
 
       keep = fill(keep_pos, keep_where)
-      rounds = [fill(pos, where) for _, pos, where in info["rounds"]]
+      rounds = [fill(rnd.positions, rnd.where) for rnd in info.rounds]
       # The tick's gradients added to the sums passed in; a rank that makes none for a
       # position it owns passes its sum through; positions it does not own (another
       # rank's leaves, shared by shape) are never assembled and need no copy.
       by_pos = {self.grad_where[(rank, p)]: g for p, g in grad_acc.items()}
       grads = {}
-      for pos in info["grads"]:
+      for pos in info.grads:
         g, old = by_pos.get(pos), ops["acc"].get(pos)
         if g is not None:
           g = g.astype(self.grad_positions[pos][1])

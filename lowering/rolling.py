@@ -24,7 +24,7 @@ iterations after they are made may be: the carry then holds a value for each ite
 back, passed one slot deeper each iteration, and the ticks after the loop may read
 the values of as many last iterations.
 
-Value locations are `Program.loc`'s: ("keep", tick, pos) or ("recv", tick, round, pos).
+Value locations are `Program.loc`'s: `Kept` or `Received` (`lowering/values.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Window", "find_window", "shift_loc"]
+__all__ = ["Window", "find_window"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +55,6 @@ class Window:
     return self.start + self.length * self.iters
 
 
-def shift_loc(loc: tuple, ticks: int) -> tuple:
-  """A value location `ticks` ticks later."""
-  return (loc[0], loc[1] + ticks) + tuple(loc[2:])
-
-
 def _shifted_where(where: dict, mbs: int) -> dict:
   return {(rank, key.shifted(mbs)): pos for (rank, key), pos in where.items()}
 
@@ -79,14 +74,15 @@ def _same_shape(prog: Any, t: int, u: int, mbs: int) -> bool:
     if [(x.region, x.pass_, x.mb + mbs) for x in xs] != [(y.region, y.pass_, y.mb) for y in ys]:
       return False
   ia, ib = prog.ticks[t], prog.ticks[u]
-  if ia["grads"] != ib["grads"] or prog.buckets.get(t) or prog.buckets.get(u):
+  if ia.grads != ib.grads or prog.buckets.get(t) or prog.buckets.get(u):
     return False
-  if ia["keep"][0] != ib["keep"][0] or _shifted_where(ia["keep"][1], mbs) != ib["keep"][1]:
+  if (ia.keep_positions != ib.keep_positions
+      or _shifted_where(ia.keep_where, mbs) != ib.keep_where):
     return False
-  if len(ia["rounds"]) != len(ib["rounds"]):
+  if len(ia.rounds) != len(ib.rounds):
     return False
-  return all(ra == rb and pa == pb and _shifted_where(wa, mbs) == wb
-             for (ra, pa, wa), (rb, pb, wb) in zip(ia["rounds"], ib["rounds"]))
+  return all(a.perm == b.perm and a.positions == b.positions
+             and _shifted_where(a.where, mbs) == b.where for a, b in zip(ia.rounds, ib.rounds))
 
 
 def _reads(prog: Any, t: int) -> list[tuple]:
@@ -97,14 +93,14 @@ def _reads(prog: Any, t: int) -> list[tuple]:
 
 def _farthest(reads: list[tuple], t: int) -> int:
   """How many ticks back tick t (with `reads`) reads its oldest value; 0 if none."""
-  return max((t - loc[1] for _, _, loc in reads if loc is not None and loc[1] < t), default=0)
+  return max((t - loc.tick for _, _, loc in reads if loc is not None and loc.tick < t), default=0)
 
 
 def _same_reads(prog: Any, reads: list, t: int, u: int, mbs: int) -> bool:
   """Whether tick u reads each value from where tick t read its counterpart, u - t later."""
   for key, rank, a in reads[t]:
     b = prog.loc.get((key.shifted(mbs), rank))
-    if (a is None) != (b is None) or (a is not None and shift_loc(a, u - t) != b):
+    if (a is None) != (b is None) or (a is not None and a.shifted(u - t) != b):
       return False
   return True
 
@@ -149,13 +145,13 @@ def _carried(prog: Any, reads: list, start: int, length: int, shift: int, iters:
         return None
       if real is None:
         continue
-      loc = body[(key, rank)] = shift_loc(nxt, -length)
-      if loc[1] >= start:
+      loc = body[(key, rank)] = nxt.shifted(-length)
+      if loc.tick >= start:
         if loc != real:  # made inside the first iteration, so where the body makes it
           return None
         continue
-      back = -((loc[1] - start) // length)  # made `back` iterations before
-      made = shift_loc(loc, back * length)  # where the body makes it
+      back = -((loc.tick - start) // length)  # made `back` iterations before
+      made = loc.shifted(back * length)  # where the body makes it
       if back > min(depth, iters) or prog.loc.get((key.shifted(back * shift), rank)) != made:
         # The value `back` iterations later must be the one made here; and a slot
         # deeper than the loop's iterations would come out of it as a value of a tick
@@ -165,10 +161,10 @@ def _carried(prog: Any, reads: list, start: int, length: int, shift: int, iters:
         # The carry holds the values of the last `back` iterations, one slot deeper each
         # iteration; in the first, slot k holds what iteration back - k reads here.
         first = prog.loc.get((key.shifted((back - k) * shift), rank))
-        if (first is None or first[1] >= start
-            or prog._loc_signature(first) != prog._loc_signature(made)):
+        if (first is None or first.tick >= start
+            or prog.loc_signature(first) != prog.loc_signature(made)):
           return None
-        if entry.setdefault(shift_loc(made, -k * length), {}).setdefault(rank, first) != first:
+        if entry.setdefault(made.shifted(-k * length), {}).setdefault(rank, first) != first:
           return None
   return body, entry
 
@@ -183,14 +179,14 @@ def _loop_of(prog: Any, reads: list, start: int, end: int, length: int, shift: i
       continue
     body, entry = found
     carry = sorted(entry, key=str)
-    after = {shift_loc(loc, iters * length) for loc in carry}  # the carry's last values
+    after = {loc.shifted(iters * length) for loc in carry}  # the carry's last values
     later = {loc for t in range(stop, len(reads)) for _, _, loc in reads[t]
-             if loc is not None and start <= loc[1] < stop}
-    if any(loc[1] < stop - length and loc not in after for loc in later):
+             if loc is not None and start <= loc.tick < stop}
+    if any(loc.tick < stop - length and loc not in after for loc in later):
       continue  # a value of an earlier iteration is read after the loop
-    carried = {shift_loc(loc, length) for loc in carry}
-    exits = sorted({shift_loc(loc, -(iters - 1) * length) for loc in later
-                    if loc[1] >= stop - length} - carried, key=str)
+    carried = {loc.shifted(length) for loc in carry}
+    exits = sorted({loc.shifted(-(iters - 1) * length) for loc in later
+                    if loc.tick >= stop - length} - carried, key=str)
     return Window(start, length, iters, shift, tuple(sorted(body.items(), key=str)),
                   tuple(carry), tuple(tuple(sorted(entry[loc].items())) for loc in carry),
                   tuple(exits))

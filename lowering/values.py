@@ -1,11 +1,12 @@
-"""The values a pipeline's tasks hand each other, named by typed keys."""
+"""The values a pipeline's tasks hand each other: typed keys, and where the per-tick
+program finds them (`Kept`, `Received`) with what each tick keeps and exchanges."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 
-__all__ = ["ValueKind", "ValueKey"]
+__all__ = ["ValueKind", "ValueKey", "Kept", "Received", "Location", "Exchange", "TickValues"]
 
 
 class ValueKind(str, enum.Enum):
@@ -34,3 +35,73 @@ class ValueKey:
     return f"{self.kind.value}:r{self.region}:mb{self.mb}:{self.index}"
 
   __repr__ = __str__  # windows and tables print hundreds of keys
+
+
+class _Ordered:
+  """Locations of both kinds sort together (JAX sorts a pytree dict's keys)."""
+
+  def _order(self) -> tuple:
+    return (self.tick, type(self).__name__, dataclasses.astuple(self))
+
+  def __lt__(self, other: "_Ordered") -> bool:
+    return self._order() < other._order()
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Kept(_Ordered):
+  """Position `pos` of the values a rank keeps from tick `tick` for its own later ticks."""
+
+  tick: int
+  pos: int
+
+  def shifted(self, ticks: int) -> "Kept":
+    """The same location `ticks` ticks later."""
+    return dataclasses.replace(self, tick=self.tick + ticks)
+
+  def __str__(self) -> str:
+    return f"keep:t{self.tick}:{self.pos}"
+
+  __repr__ = __str__
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Received(_Ordered):
+  """Position `pos` of what a rank receives in round `round` after tick `tick`."""
+
+  tick: int
+  round: int
+  pos: int
+
+  def shifted(self, ticks: int) -> "Received":
+    """The same location `ticks` ticks later."""
+    return dataclasses.replace(self, tick=self.tick + ticks)
+
+  def __str__(self) -> str:
+    return f"recv:t{self.tick}:{self.round}:{self.pos}"
+
+  __repr__ = __str__
+
+
+Location = Kept | Received
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+  """One `ppermute` after a tick: its (source, destination) pairs, the (shape, dtype) of
+  each position, and per (source rank, value key) its position."""
+
+  perm: tuple[tuple[int, int], ...]
+  positions: tuple[tuple, ...]
+  where: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class TickValues:
+  """What one tick keeps, exchanges and adds to: the (shape, dtype) of each kept position
+  and per (rank, value key) its position; its rounds; the gradient positions its tasks
+  add to."""
+
+  keep_positions: tuple[tuple, ...]
+  keep_where: dict
+  rounds: tuple[Exchange, ...]
+  grads: tuple[int, ...]

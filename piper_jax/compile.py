@@ -13,9 +13,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from piper_jax.ir.directives import (Directive, Replicate, ShardTensor, Split,
                                       load_directives)
+from piper_jax.ir.graph import Graph, NodeKind
 from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering import compat
+from piper_jax.lowering.collectives import StepCollective, collectives_table, step_collectives
 from piper_jax.lowering.layout import ParamLayout
 from piper_jax.lowering.local import RegionRunner, SplitAxis
 from piper_jax.lowering.optimizer import packed_update_reason
@@ -214,6 +216,8 @@ class TrainStep:
     self._pack_opt = jax.jit(layout.pack, out_shardings=to_sharding(grad_specs))
     self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
     self._to_canonical = None
+    self._grad_specs = grad_specs
+    self._collectives: list[StepCollective] | None = None
 
   # -- public API ---------------------------------------------------------------
 
@@ -317,6 +321,71 @@ class TrainStep:
     """The ticks run as one loop (`LoweringOptions.roll`, the default): a `Window` with
     `start`, `stop`, `length` and `iters`, or None when the step unrolls every tick."""
     return self._program.window
+
+  def collectives(self) -> list[StepCollective]:
+    """The collectives one step runs: read from the step's traced program (so they are
+    the ones the lowering emits, not the IR's plan of them), plus the resharding XLA
+    does outside it (ZeRO-1/2 parameters gathered after the update, whole-leaf
+    optimizers, spread slots). Traces the step once; the first call reuses the trace."""
+    if self._collectives is None:
+      sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+      params = jax.tree_util.tree_map(sds, self._layout.shapes(), self._param_shardings)
+      opt = jax.tree_util.tree_map(sds, self._opt_shapes, self._opt_shardings)
+      batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(s.shape[1:]), s.dtype,
+                                    sharding=self._batch_sharding)
+               for s in self._traced.spec.batch]
+      traced = self._step.trace(TrainState(params, opt, self), batch)
+      self._collectives = step_collectives(traced.jaxpr) + self._xla_resharding()
+    return list(self._collectives)
+
+  def _xla_resharding(self) -> list[StepCollective]:
+    """What XLA moves between the step's shard_map and the optimizer: per device, the
+    bytes of the arrays it reshards."""
+    layout, out = self._layout, []
+    shapes = jax.tree_util.tree_leaves(layout.shapes())
+    grads = jax.tree_util.tree_leaves(self._grad_specs, is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree_util.tree_leaves(self._param_shardings)
+    per_device = lambda s, spec: (int(np.prod(NamedSharding(self.mesh, spec).shard_shape(s.shape)))
+                                  * np.dtype(s.dtype).itemsize)
+    axes = tuple(self.mesh.axis_names)
+    gathered = sum(per_device(s, g) for s, g, p in zip(shapes, grads, params)
+                   if NamedSharding(self.mesh, g) != p)
+    if gathered and self.leaf_update is None:
+      out.append(StepCollective("all-gather (XLA)", self.plan.mesh.data_axes, gathered, 1,
+                                ("after the update",)))
+    if self.leaf_update is not None:
+      moved = sum(per_device(s, g) for s, g in zip(shapes, grads))
+      out.append(StepCollective("resharding (XLA)", axes, 2 * moved, 1,
+                                ("whole leaves for the optimizer and back",)))
+    if layout.spread:
+      moved = sum(layout.spread[k].size * np.dtype(k[1]).itemsize for k in layout.spread)
+      out.append(StepCollective("resharding (XLA)", axes, 2 * moved // layout.n_devices, 1,
+                                ("spread slots to their ranks and back",)))
+    return out
+
+  def describe(self) -> str:
+    """The plan, the lowering options that differ from the defaults, and the collectives
+    the compiled step runs (`collectives`)."""
+    changed = self.options.changed()
+    return "\n".join([str(self.plan),
+                      f"lowering options: {changed or 'defaults'}",
+                      "collectives the compiled step runs (per step; in a switch, summed "
+                      "over its branches, of which each device runs one):",
+                      collectives_table(self.collectives())])
+
+  def to_dot(self) -> str:
+    """Graphviz DOT of the plan with the communication the compiled step runs: the IR's
+    per-region gradient and parameter collectives give way to a table of the step's own
+    (`collectives`); pipeline sends and receives and expert all-to-alls stay."""
+    planned = (NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER)
+    g = self.plan.graph
+    keep = [n for n in g.nodes.values() if n.kind not in planned]
+    ids = {n.id for n in keep}
+    dot = Graph(keep, [e for e in g.edges if e.src in ids and e.dst in ids]).to_dot()
+    rows = collectives_table(self.collectives()).replace('"', "'").split("\n")
+    label = "collectives the compiled step runs\\l" + "".join(r + "\\l" for r in rows)
+    node = f'  "step collectives" [shape=note, fontname=monospace, label="{label}"];\n'
+    return dot[:dot.rindex("}")] + node + "}\n"
 
   def check(self, params: Any, batch: Any, steps: int = 2, **kwargs):
     """Runs this strategy and the plain computation from `params` and compares them:

@@ -286,7 +286,7 @@ def test_rolled_values_carried_over_iterations(schedule, dp, zero):
                                 options=pj.LoweringOptions(max_carry_depth=4))
   w = step.rolled
   assert w is not None and w.iters >= 2, w
-  assert min(loc[1] for loc in w.carry) < w.start - w.length  # two iterations back
+  assert min(loc.tick for loc in w.carry) < w.start - w.length  # two iterations back
   assert "while" in step.lower(state, _batch(16 * dp)).as_text()
 
 
