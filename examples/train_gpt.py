@@ -259,8 +259,7 @@ def main(argv=None) -> dict:
   loss_fn = gpt.loss_fn(model)
   step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
                     devices=devices, roll=args.roll, remat=args.remat)
-  print(step.plan)
-  print(f"lowering options: {step.options.changed() or 'the defaults'}")
+  print(step.describe())  # the plan, options, and the collectives the step runs
   if step.rolled:
     w = step.rolled
     print(f"ticks {w.start}-{w.stop - 1} run as {w.iters} iterations of {w.length} ticks")

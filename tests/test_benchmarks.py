@@ -16,7 +16,7 @@ def test_run_small(tmp_path):
   variants = ["jit-dp", "dp@b1", "pp-dualpipev@z1"]  # shmap-dp: test_run_small_moe
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--pp", "4",
-       "--variants", ",".join(variants), "--out", str(out)],
+       "--steps", "3", "--warmup", "1", "--variants", ",".join(variants), "--out", str(out)],
       capture_output=True, text=True, timeout=580)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads(out.read_text())["rows"]
@@ -38,7 +38,7 @@ def test_run_small_moe(tmp_path):
   variants = ["shmap-dp", "pp-dualpipev+ep"]  # dp+ep: test_parallel
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--model", "moe-tiny",
-       "--pp", "2", "--variants", ",".join(variants), "--out", str(out)],
+       "--pp", "2", "--steps", "3", "--warmup", "1", "--variants", ",".join(variants), "--out", str(out)],
       capture_output=True, text=True, timeout=280)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads(out.read_text())["rows"]
