@@ -520,3 +520,21 @@ def test_the_loss_is_traced_once_at_the_microbatch_size(directives, traces):
   batch = random_batch(jax.random.PRNGKey(0), 16)
   step = pj.compile(counted, optax.sgd(0.1), directives, params, batch)
   assert len(seen) == traces and seen[-1] == 16 // (step.plan.mesh.n_data * step.plan.n_microbatches)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_two_values_from_one_stage_into_the_next(schedule):
+  # Stage 1 reads two of stage 0's values: each crosses in its own send and receive.
+  params = init_mlp(jax.random.PRNGKey(0), 2)
+
+  def loss(params, batch):
+    x = jnp.tanh(batch["x"] @ params["embed"])
+    with pj.annotate("PP"):
+      x = x + jnp.tanh(x @ params["stage0"]["w"] + params["stage0"]["b"])
+      s = jnp.mean(x ** 2, axis=-1, keepdims=True)
+    with pj.annotate("PP"):
+      x = s * jnp.tanh(x @ params["stage1"]["w"] + params["stage1"]["b"])
+    return optax.softmax_cross_entropy_with_integer_labels(x @ params["head"], batch["y"]).mean()
+
+  step, _ = assert_same_run(loss, params, pj.strategies.pipeline(2, 2, schedule))
+  assert sum(n.kind.value == "send" for n in step.plan.graph.nodes.values()) >= 4

@@ -17,14 +17,18 @@ def insert_send_recv(graph: Graph) -> Graph:
   After: data edges between compute nodes stay within one group.
   """
   nodes, edges = list(graph.nodes.values()), []
+  sent: dict[tuple[str, str], int] = {}   # values already cut between a pair of nodes
   for e in graph.edges:
     a, b = graph.nodes[e.src], graph.nodes[e.dst]
     if (e.kind is DepKind.DATA and a.kind is NodeKind.COMPUTE and b.kind is NodeKind.COMPUTE
         and a.devices != b.devices):
       tensors = (e.tensor,) if e.tensor else ()
-      send = Node(f"send:{a.id}>{b.id}", NodeKind.SEND, region=a.region, mb=a.mb,
+      # A region may hand the next several values: each its own SEND/RECV pair.
+      k = sent[(a.id, b.id)] = sent.get((a.id, b.id), -1) + 1
+      name = f"{a.id}>{b.id}" + (f"#{k}" if k else "")
+      send = Node(f"send:{name}", NodeKind.SEND, region=a.region, mb=a.mb,
                   devices=a.devices, zero=a.zero, axis="pp", peer=b.devices, tensors=tensors)
-      recv = Node(f"recv:{a.id}>{b.id}", NodeKind.RECV, region=b.region, mb=b.mb,
+      recv = Node(f"recv:{name}", NodeKind.RECV, region=b.region, mb=b.mb,
                   devices=b.devices, zero=b.zero, axis="pp", peer=a.devices, tensors=tensors)
       nodes += [send, recv]
       edges += [Edge(a.id, send.id, tensor=e.tensor), Edge(send.id, recv.id, tensor=e.tensor),
