@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/train_gpt.py --strategy pp-1f1b --stages 2 --dp 4 --zero 1 --microbatches 4 --steps 6
+	$(BIN)/python examples/train.py --strategy pp-1f1b --stages 2 --dp 4 --zero 1 --microbatches 4 --steps 6
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -n 2 tests

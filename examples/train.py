@@ -1,9 +1,15 @@
-"""Trains the example GPT under a piper-jax strategy.
+"""Trains an example model (GPT, Qwen3 or Qwen3-MoE) under a piper-jax strategy.
 
 Without a GPU it runs on 8 simulated CPU devices:
 
-  python examples/train_gpt.py --strategy pp-1f1b --stages 2 --dp 4 --zero 1 \
+  python examples/train.py --strategy pp-1f1b --stages 2 --dp 4 --zero 1 \
       --microbatches 4 --steps 6
+  python examples/train.py --model qwen3-tiny --strategy pp-dualpipev --stages 4 --dp 2
+
+`--model` takes any preset of examples/gpt.py (tiny, 268m, 1.3b, ...) or
+examples/qwen3.py (qwen3-tiny, qwen3-1.7b, qwen3-8b, qwen3-moe-tiny,
+qwen3-30b-a3b-4gpu); a Qwen3-MoE preset's experts are split over each stage's
+data-parallel devices with `--ep`.
 
 Strategies: dp, zero1, zero2, zero3 (data parallel over all devices, ZeRO level
 K) and pp-gpipe, pp-1f1b, pp-zb, pp-interleaved, pp-dualpipev (`--stages` pipeline
@@ -60,13 +66,18 @@ from tqdm.auto import tqdm
 import piper_jax as pj
 
 try:
-  from examples import gpt, moe
+  from examples import gpt, moe, qwen3
 except ImportError:
   import gpt  # run as a script: examples/ is on sys.path
   import moe
+  import qwen3
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
               "pp-dualpipev")
+
+
+def _preset(name: str) -> dict:
+  return {**gpt.PRESETS, **qwen3.PRESETS}[name]
 
 
 class UsageError(ValueError):
@@ -86,10 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="ZeRO level (pp-* strategies)")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--batch", type=int, default=16, help="global batch size")
-  p.add_argument("--model", choices=tuple(gpt.PRESETS), default="tiny")
+  p.add_argument("--model", choices=tuple(gpt.PRESETS) + tuple(qwen3.PRESETS), default="tiny")
+  p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
   p.add_argument("--experts", type=int, default=0,
-                 help="0: dense GPT; N: MoE GPT with N experts, top-2, in every block "
-                      "(examples/moe.py)")
+                 help="GPT presets: 0: dense; N: MoE GPT with N experts, top-2, in every "
+                      "block (examples/moe.py)")
   p.add_argument("--ep", action="store_true",
                  help="split the experts over each stage's data-parallel devices (pj.shard)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -128,10 +140,12 @@ def build_strategy(args, n_devices: int):
   """Returns (directives, number of devices used, number of model stages)."""
   directives, n_used, n_stages = _base_strategy(args, n_devices)
   if args.ep:
-    if not args.experts:
-      raise UsageError("--ep splits the experts of a MoE model; add --experts N")
-    if args.experts % (args.dp if args.strategy.startswith("pp-") else n_used):
-      raise UsageError(f"--experts {args.experts} must divide over the data-parallel devices "
+    n_experts = args.experts or _preset(args.model).get("n_experts", 0)
+    if not n_experts:
+      raise UsageError("--ep splits the experts of a MoE model; add --experts N or take a "
+                       "qwen3-moe preset")
+    if n_experts % (args.dp if args.strategy.startswith("pp-") else n_used):
+      raise UsageError(f"{n_experts} experts must divide over the data-parallel devices "
                        f"of a stage for --ep")
     directives = directives + [pj.shard({"EP": "*"}, list(range(n_used)))]
   return directives, n_used, n_stages
@@ -228,20 +242,28 @@ def main(argv=None) -> dict:
 
   dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
   overrides = {} if args.data == "synthetic" else {"vocab_size": 256}
+  if args.seq_len:
+    overrides["seq_len"] = args.seq_len
+  family = qwen3 if args.model in qwen3.PRESETS else gpt
+  if family is qwen3 and args.experts:
+    raise UsageError("--experts makes a MoE GPT; the qwen3-moe presets are MoE already")
   try:
     if args.experts:
       config = moe.MoEConfig(**{**gpt.PRESETS[args.model], **overrides}, n_stages=n_stages,
                              dtype=dtype, n_experts=args.experts)
     else:
-      config = gpt.get_config(args.model, n_stages=n_stages, dtype=dtype, **overrides)
+      config = family.get_config(args.model, n_stages=n_stages, dtype=dtype, **overrides)
   except ValueError as e:
     raise UsageError(f"--stages {n_stages}: {e}") from e
-  model = moe.MoEGPT(config) if args.experts else gpt.GPT(config)
+  if family is qwen3:
+    model = qwen3.make_model(config)
+  else:
+    model = moe.MoEGPT(config) if args.experts else gpt.GPT(config)
   rng = jax.random.PRNGKey(args.seed)
-  params = gpt.init_params(model, rng)
+  params = family.init_params(model, rng)
   if args.data == "synthetic":
     data_rng = jax.random.fold_in(rng, 1)
-    get_batch = lambda i: jax.device_get(gpt.random_batch(
+    get_batch = lambda i: jax.device_get(family.random_batch(
         config, jax.random.fold_in(data_rng, i), args.batch))
   else:
     corpus = load_corpus(args.data)
@@ -251,12 +273,13 @@ def main(argv=None) -> dict:
 
   print(f"devices: {len(devices)} x {devices[0].device_kind} "
         f"({devices[0].platform})")
-  kind = f" MoE ({args.experts} experts, top-2)" if args.experts else ""
+  n_experts = args.experts or getattr(config, "n_experts", 0)
+  kind = f" MoE ({n_experts} experts, top-{getattr(config, 'top_k', 2)})" if n_experts else ""
   print(f"model: {args.model}{kind}, {gpt.count_params(params) / 1e6:.2f}M params, "
         f"{config.n_layers} layers in {config.n_stages} stage(s), {args.dtype}")
   print(f"strategy: {args.strategy}; data: {args.data}")
 
-  loss_fn = gpt.loss_fn(model)
+  loss_fn = family.loss_fn(model)
   step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
                     devices=devices, roll=args.roll, remat=args.remat)
   print(step.describe())  # the plan, options, and the collectives the step runs
@@ -279,7 +302,7 @@ def main(argv=None) -> dict:
 
   tokens_per_step = args.batch * config.seq_len
   peak = gpt.peak_flops(devices[0].device_kind)
-  flops = (moe.flops_per_token if args.experts else gpt.flops_per_token)(config)
+  flops = (moe.flops_per_token if args.experts else family.flops_per_token)(config)
   metrics = open(args.metrics, "a") if args.metrics else None
   bar = None if args.quiet else tqdm(total=args.steps, initial=first, unit="step",
                                      dynamic_ncols=True)

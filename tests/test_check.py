@@ -187,8 +187,8 @@ def test_batches_one_repeated_a_list_or_too_few():
     check(_Wrapped(step, loss_fn=None), params, batch)
 
 
-def test_train_gpt_check_stops_on_a_failed_report(monkeypatch, capsys):
-  from examples import train_gpt
+def test_train_check_stops_on_a_failed_report(monkeypatch, capsys):
+  from examples import train
 
   failed = check_mod.CheckReport(
       losses=(1.0,), reference_losses=(1.5,), loss_rel_diff=1 / 3, leaves={"['w']": 0.5},
@@ -202,9 +202,9 @@ def test_train_gpt_check_stops_on_a_failed_report(monkeypatch, capsys):
     return failed
 
   monkeypatch.setattr(check_mod, "check", fake_check)
-  with pytest.raises(train_gpt.CheckFailed, match="1 failed comparison"):
-    train_gpt.main(["--strategy", "zero1", "--batch", "8", "--steps", "1", "--quiet",
-                    "--data", "synthetic", "--check"])
+  with pytest.raises(train.CheckFailed, match="1 failed comparison"):
+    train.main(["--strategy", "zero1", "--batch", "8", "--steps", "1", "--quiet",
+                "--data", "synthetic", "--check"])
   assert seen["steps"] == 2 and seen["compile_kwargs"]["options"].roll is True
   out = capsys.readouterr().out
   assert "check FAILED" in out and "['w']" in out

@@ -110,13 +110,13 @@ def test_zero_bubble_slim_carry(monkeypatch):
   assert not any(a.dtype == jnp.float32 and a.ndim == 3 for a in slim.carry_avals)
 
 
-def test_train_gpt_example_runs():
-  from examples import train_gpt
+def test_train_example_runs():
+  from examples import train
   # A MoE GPT (make demo runs the dense one) with its experts split over each stage's
   # 2 data-parallel devices.
-  out = train_gpt.main(["--strategy", "pp-1f1b", "--stages", "2", "--dp", "2", "--zero", "1",
-                        "--microbatches", "2", "--steps", "3", "--batch", "8",
-                        "--experts", "4", "--ep", "--quiet"])
+  out = train.main(["--strategy", "pp-1f1b", "--stages", "2", "--dp", "2", "--zero", "1",
+                    "--microbatches", "2", "--steps", "3", "--batch", "8",
+                    "--experts", "4", "--ep", "--quiet"])
   losses = out["losses"]
   assert len(losses) == 3 and all(l == l for l in losses) and losses[-1] < losses[0]
 

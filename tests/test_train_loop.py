@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from examples import train_gpt
+from examples import train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -14,32 +14,32 @@ PP = ["--strategy", "pp-1f1b", "--stages", "2", "--dp", "2", "--zero", "1", "--m
 
 
 def test_resume_after_kill_gives_the_same_losses(tmp_path):
-  full = train_gpt.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "a"),
+  full = train.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "a"),
                               "--ckpt-every", "2", "--metrics", str(tmp_path / "m.jsonl")])
   rows = [json.loads(l) for l in open(tmp_path / "m.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   # A run stopped after step 2, then resumed: on the same strategy, and on ZeRO-3 over 8.
-  train_gpt.main(PP + ["--steps", "2", "--ckpt-dir", str(tmp_path / "b"), "--ckpt-every", "1"])
-  same = train_gpt.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+  train.main(PP + ["--steps", "2", "--ckpt-dir", str(tmp_path / "b"), "--ckpt-every", "1"])
+  same = train.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
   np.testing.assert_allclose(same["losses"], full["losses"][2:], rtol=1e-5)
-  other = train_gpt.main(["--strategy", "zero3", "--batch", "8", "--quiet", "--steps", "3",
-                          "--ckpt-dir", str(tmp_path / "a"), "--resume"])
+  other = train.main(["--strategy", "zero3", "--batch", "8", "--quiet", "--steps", "3",
+                      "--ckpt-dir", str(tmp_path / "a"), "--resume"])
   # Step 4's checkpoint exists in "a"; resuming at 4 of 3 runs nothing.
   assert other["losses"] == []
 
 
 def test_resume_under_another_strategy(tmp_path):
   # --check: the loop's strategy against one device first (k steps and a plain-SGD step).
-  full = train_gpt.main(PP + ["--steps", "4", "--check"])
-  train_gpt.main(PP + ["--steps", "2", "--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"])
-  other = train_gpt.main(["--strategy", "zero3", "--batch", "8", "--quiet", "--steps", "4",
-                          "--ckpt-dir", str(tmp_path / "c"), "--resume"])
+  full = train.main(PP + ["--steps", "4", "--check"])
+  train.main(PP + ["--steps", "2", "--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"])
+  other = train.main(["--strategy", "zero3", "--batch", "8", "--quiet", "--steps", "4",
+                      "--ckpt-dir", str(tmp_path / "c"), "--resume"])
   np.testing.assert_allclose(other["losses"], full["losses"][2:], rtol=1e-5)
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-  with pytest.raises(train_gpt.TrainingDiverged, match="Last good checkpoint: step"):
-    train_gpt.main(PP + ["--steps", "30", "--lr", "1e30", "--ckpt-dir", str(tmp_path / "d"),
+  with pytest.raises(train.TrainingDiverged, match="Last good checkpoint: step"):
+    train.main(PP + ["--steps", "30", "--lr", "1e30", "--ckpt-dir", str(tmp_path / "d"),
                          "--ckpt-every", "1"])
 
 
@@ -52,14 +52,14 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     (["--strategy", "dp", "--batch", "12"], 8, "divisible by the 8 devices"),
 ])
 def test_usage_errors(argv, n_devices, match):
-  with pytest.raises(train_gpt.UsageError, match=match):
-    train_gpt.build_strategy(train_gpt.parse_args(argv), n_devices)
+  with pytest.raises(train.UsageError, match=match):
+    train.build_strategy(train.parse_args(argv), n_devices)
 
 
 def test_two_stages_per_device_count_devices_right():
   # DualPipeV and interleaved hold two stages per device: 4 stages x DP 2 use 4 devices.
-  args = train_gpt.parse_args(["--strategy", "pp-dualpipev", "--stages", "4", "--dp", "2",
+  args = train.parse_args(["--strategy", "pp-dualpipev", "--stages", "4", "--dp", "2",
                                "--microbatches", "4", "--batch", "8", "--experts", "4", "--ep"])
-  directives, n_used, n_stages = train_gpt.build_strategy(args, 4)
+  directives, n_used, n_stages = train.build_strategy(args, 4)
   assert (n_used, n_stages) == (4, 4)
   assert directives[-1].devices == (0, 1, 2, 3)
