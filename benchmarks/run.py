@@ -101,12 +101,28 @@ _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
 
 
+def _family(model: str):
+  """The examples module a model name comes from: qwen3 (dense or MoE presets), moe
+  (the MoE GPT, "moe-*") or gpt."""
+  from examples import gpt, moe, qwen3
+  return qwen3 if model.startswith("qwen3") else moe if model.startswith("moe-") else gpt
+
+
+def is_moe(model: str) -> bool:
+  if model.startswith("moe-"):
+    return True
+  if model.startswith("qwen3"):
+    from examples import qwen3
+    return "n_experts" in qwen3.PRESETS[model]
+  return False
+
+
 def BASELINE_OF(variant: str, model: str = "") -> str:
   """The plain-JAX row a variant's ratio is taken against (the `+bf16` one for `+bf16`,
   the `+mask` one for `+mask`;
   `shmap-dp`, which routes per device, for MoE models)."""
   base, mods = split_variant(variant)
-  default = "shmap-dp" if model.startswith("moe-") else "jit-dp"
+  default = "shmap-dp" if is_moe(model) else "jit-dp"
   return _BASELINE.get(base.partition("@")[0], default) + "".join(
       "+" + m for m in ("bf16", "mask") if m in mods)
 
@@ -135,8 +151,10 @@ def _setup_cpu(small: bool):
 
 
 def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = False,
-            attention: str | None = None):
+            attention: str | None = None, seq_len: int = 0):
   config = _preset(model, n_stages, balanced)
+  if seq_len:
+    config = dataclasses.replace(config, seq_len=seq_len)
   if attention:
     config = dataclasses.replace(config, attention=attention)
   if bf16:  # parameters and optimizer states in bf16, as the PyTorch peer runs
@@ -147,7 +165,12 @@ def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = Fals
 
 def _preset(model: str, n_stages: int, balanced: bool):
   import jax.numpy as jnp
-  from examples import gpt, moe
+  from examples import gpt, moe, qwen3
+  if model.startswith("qwen3"):
+    # The tiny presets: 8 layers, so every variant (up to 4 ranks x 2 stages) runs.
+    kw = (dict(n_layers=8) if model.endswith("tiny") else
+          dict(dtype=jnp.bfloat16, param_dtype=jnp.float32))
+    return qwen3.get_config(model, n_stages=n_stages, **kw)
   if model.startswith("moe-"):
     if model == "moe-tiny":
       return moe.get_config("tiny", n_stages=n_stages, n_layers=4, n_experts=8)
@@ -173,7 +196,7 @@ def _fsdp_spec(x, n):
 
 
 def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero: int = 0,
-          attention: str | None = None):
+          attention: str | None = None, seq_len: int = 0):
   """(config, Flax model, piper-jax directives or None for a baseline) of a variant on n devices."""
   import piper_jax as pj
   from examples import gpt, moe
@@ -182,14 +205,17 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   pipe = parse_pipeline(base, zero)
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
-  config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods, attention=attention)
+  config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods,
+                   attention=attention, seq_len=seq_len)
   layers = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
   if layers:
     if len(layers[0]) != n_stages or sum(layers[0]) != config.n_layers:
       raise ValueError(f"{variant!r}: +L needs {n_stages} stages' blocks summing to "
                        f"{config.n_layers}, got {layers[0]}")
     config = dataclasses.replace(config, stage_layers=layers[0])
-  net = moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config)
+  family = _family(model)
+  net = (family.make_model(config) if family.__name__.endswith("qwen3")
+         else moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config))
   if base in BASELINES:
     return config, net, None
   reduce_dtype = "bfloat16" if "rbf16" in mods else None
@@ -231,7 +257,7 @@ def accumulated_value_and_grad(loss_fn, accumulate: int):
 
 
 def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
-              zero: int = 0, attention: str | None = None):
+              zero: int = 0, attention: str | None = None, seq_len: int = 0):
   """Builds one variant's training step on this process's devices.
 
   Returns (call, state, batches, config, sim): `call(state, batch) -> (state, loss)`,
@@ -248,14 +274,15 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   devices = jax.devices()
   n = len(devices)
   base, mods = split_variant(variant)
-  config, net, directives = build(variant, model, n, microbatches, pp, zero, attention)
-  loss_fn = gpt.loss_fn(net)
-  params = gpt.init_params(net, jax.random.PRNGKey(0))
+  config, net, directives = build(variant, model, n, microbatches, pp, zero, attention, seq_len)
+  family = _family(model) if model.startswith("qwen3") else gpt
+  loss_fn = family.loss_fn(net)
+  params = family.init_params(net, jax.random.PRNGKey(0))
   # "+mask": no weight decay on vectors (biases, norms), the common LLM setting; such an
   # optimizer updates whole leaves under piper-jax (`TrainStep.leaf_update`).
   mask = (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)) if "mask" in mods else None
   tx = optax.adamw(1e-4, weight_decay=0.1, mask=mask)
-  batches = [gpt.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
+  batches = [family.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
   sim = {}
 
   def train_step(state, b, mean=lambda x: x, accumulate=1):
@@ -334,17 +361,17 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
 
 
 def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
-                pp: int = 2, zero: int = 0, attention: str | None = None):
+                pp: int = 2, zero: int = 0, attention: str | None = None, seq_len: int = 0):
   """Runs one variant in this process; returns its row."""
   import jax
   import numpy as np
 
-  from examples import gpt, moe
+  from examples import gpt
 
   devices = jax.devices()
   n = len(devices)
   call, state, batches, config, sim = make_step(variant, model, batch, microbatches, pp, zero,
-                                                attention)
+                                                attention, seq_len)
   tokens = batch * config.seq_len
 
   t0 = time.perf_counter()
@@ -384,7 +411,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   kind = devices[0].device_kind
   peak_flops = gpt.peak_flops(kind)
   tps = tokens / step_s
-  fpt = (moe.flops_per_token if model.startswith("moe-") else gpt.flops_per_token)(config)
+  fpt = _family(model).flops_per_token(config)
   mfu = fpt * tps / (n * peak_flops) if peak_flops else None
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
           "step_ms": step_s * 1e3, "step_ms_blocked": float(np.median(blocked)) * 1e3,
@@ -402,6 +429,7 @@ def _child(args, variant, model):
          "--batch", str(args.batch), "--microbatches", str(args.microbatches),
          "--steps", str(args.steps), "--warmup", str(args.warmup), "--pp", str(args.pp),
          "--zero", str(args.zero)] + (["--small"] if args.small else [])
+  cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
   cmd += ["--attention", args.attention] if args.attention else []
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   if "xla" in split_variant(variant)[1]:  # process-wide XLA options, such as the allocator
@@ -416,6 +444,21 @@ def _child(args, variant, model):
   if "RESOURCE_EXHAUSTED" in (proc.stderr or "") or "out of memory" in (proc.stderr or "").lower():
     err = "out of memory"
   return {"variant": variant, "model": model, "error": err[:300], "wall_s": time.time() - t0}
+
+
+def _largest_batch(args, variant: str, model: str) -> dict:
+  """The row of the largest global batch `variant` runs: --batch doubled, one process per
+  try, until a try runs out of memory (or fails otherwise) or passes --max-batch. The row
+  records it as "max_batch" and the first batch that did not fit as "failed_batch"."""
+  best, batch = None, args.batch
+  while batch <= args.max_batch:
+    row = _child(argparse.Namespace(**{**vars(args), "batch": batch}), variant, model)
+    if "error" in row:
+      failed = {"failed_batch": batch, "failed_error": row["error"]}
+      return ({**best, **failed} if best else {**row, "max_batch": None, **failed})
+    best, batch = {**row, "max_batch": batch}, batch * 2
+  return best if best else {"variant": variant, "model": model, "max_batch": None,
+                            "error": f"--batch {args.batch} is above --max-batch"}
 
 
 def add_predictions(rows) -> None:
@@ -455,7 +498,9 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default="268m,1.3b",
-                  help="comma list of: tiny, 268m, 1.3b, moe-tiny, moe-1b")
+                  help="comma list of: tiny, 268m, 1.3b, moe-tiny, moe-1b, and the presets of "
+                       "examples/qwen3.py (qwen3-tiny, qwen3-1.7b, qwen3-8b, qwen3-moe-tiny, "
+                       "qwen3-30b-a3b-4gpu)")
   ap.add_argument("--variants", default=",".join(BASELINES + PIPER))
   ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
   ap.add_argument("--microbatches", type=int, default=8)
@@ -470,11 +515,17 @@ def main(argv=None):
   ap.add_argument("--xla-flags", default="",
                   help="XLA flags added to XLA_FLAGS for the variants with a +xla suffix "
                        "(--xla-flags='--xla_flag=value ...')")
+  ap.add_argument("--max-batch", type=int, default=0,
+                  help="for each variant, the largest global batch it fits: --batch, doubled "
+                       "(one process per try) until a try runs out of memory or passes this")
+  ap.add_argument("--seq-len", type=int, default=0, help="override the model's sequence length")
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.small:
-    model = "moe-tiny" if args.model.startswith("moe") else "tiny"
+    model = ("qwen3-moe-tiny" if args.model.startswith("qwen3") and is_moe(args.model)
+             else "qwen3-tiny" if args.model.startswith("qwen3")
+             else "moe-tiny" if args.model.startswith("moe") else "tiny")
     args.model, args.batch, args.steps, args.warmup = model, 16, 2, 1
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
@@ -495,13 +546,13 @@ def main(argv=None):
   if args.child:
     sys.path.insert(0, ROOT)
     row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,
-                      args.pp, args.zero, args.attention)
+                      args.pp, args.zero, args.attention, args.seq_len)
     print("ROW " + json.dumps(row), flush=True)
     return row
   rows = []
   for model in args.model.split(","):
     for variant in args.variants.split(","):
-      row = _child(args, variant, model)
+      row = _largest_batch(args, variant, model) if args.max_batch else _child(args, variant, model)
       rows.append(row)
       print(json.dumps(row), flush=True)
   import jax

@@ -141,3 +141,47 @@ def test_accumulated_baseline_matches_plain_dp():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="shmap-accum splits each device's 32/8 rows"):
     run.make_step("shmap-accum", "tiny", batch=32, microbatches=3)
+
+
+def test_qwen3_presets_in_run():
+  # run.py builds the Qwen3 presets: the MoE one's pipeline with its experts split
+  # (its numbers against one device are tests/test_qwen3.py's), the dense one trained.
+  import jax
+  import numpy as np
+  import piper_jax as pj
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  assert run.is_moe("qwen3-moe-tiny") and not run.is_moe("qwen3-tiny")
+  assert run.BASELINE_OF("pp-1f1b+ep", "qwen3-moe-tiny") == "shmap-dp"
+  config, net, directives = run.build("pp-1f1b+ep", "qwen3-moe-tiny", 8, 4, pp=2, seq_len=16)
+  assert config.seq_len == 16 and config.n_stages == 2 and type(net).__name__ == "Qwen3MoE"
+  assert any(isinstance(d, pj.Shard) for d in directives)
+  call, state, batches, config, _ = run.make_step("jit-dp", "qwen3-tiny", batch=8,
+                                                  microbatches=1, seq_len=16)
+  losses = []
+  for b in batches[:2]:
+    state, loss = call(state, b)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses)) and batches[0]["tokens"].shape == (8, 16)
+
+
+def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
+  import argparse
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  tried = []
+
+  def child(args, variant, model):
+    tried.append(args.batch)
+    if args.batch > 32:
+      return {"variant": variant, "model": model, "error": "out of memory"}
+    return {"variant": variant, "model": model, "step_ms": 1.0}
+
+  monkeypatch.setattr(run, "_child", child)
+  args = argparse.Namespace(batch=8, max_batch=256)
+  row = run._largest_batch(args, "zero3", "tiny")
+  assert tried == [8, 16, 32, 64] and row["max_batch"] == 32 and row["failed_batch"] == 64
+  assert "error" not in row
+  tried.clear()
+  row = run._largest_batch(argparse.Namespace(batch=8, max_batch=16), "zero3", "tiny")
+  assert tried == [8, 16] and row["max_batch"] == 16 and "failed_batch" not in row
