@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import jax
 
-__all__ = ["shard_map", "bind", "eval_eqns", "name_stack", "read", "ClosedJaxpr", "Jaxpr", "Literal", "Var"]
+__all__ = ["shard_map", "shard_map_unchecked", "bind", "eval_eqns", "name_stack", "read", "ClosedJaxpr", "Jaxpr", "Literal", "Var"]
 
 try:  # jax >= 0.7
   shard_map = jax.shard_map
@@ -15,6 +15,15 @@ except AttributeError:  # pragma: no cover
   from jax.experimental.shard_map import shard_map  # type: ignore
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var  # noqa: E402
+
+
+def shard_map_unchecked(fn, mesh, in_specs, out_specs):
+  """`shard_map` without its replication checks (piper-jax places its collectives
+  itself): `check_vma=False`, or `check_rep=False` on older jax."""
+  try:
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  except TypeError:  # older jax
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 try:
   from jax._src import source_info_util as _source_info

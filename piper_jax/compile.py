@@ -56,13 +56,6 @@ class TrainState:
     return f"TrainState(params={self.params!r}, opt_state={self.opt_state!r})"
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
-  try:
-    return compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  except TypeError:  # older jax
-    return compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
   """Traces the loss at the microbatch size and plans it.
 
@@ -159,7 +152,7 @@ class TrainStep:
     n_batch = len(traced.spec.batch)
     batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")
     # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
-    body = _shard_map(self._program.body, self.mesh,
+    body = compat.shard_map_unchecked(self._program.body, self.mesh,
                       in_specs=(layout.specs(sharded, sharded, working=True), [batch_spec] * n_batch),
                       out_specs=(layout.specs(zero >= 1, zero >= 1, working=True), P()))
     to_sharding = lambda specs: jax.tree_util.tree_map(
