@@ -16,6 +16,9 @@ class LoweringOptions:
     tick_loop: lower the plan as one loop over all its ticks, the plan as data
       (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
       schedule or the number of microbatches; `roll` and gradient buckets do not apply.
+      Not yet for expert parallelism on GPUs: the experts' all-to-alls sit inside the
+      loop's switch, which then runs from the host (the 1B MoE, PP2 x EP2 on 4 x H100:
+      5x slower than per tick).
     overlap_exchange: the tick loop sends what an iteration made during the next
       iteration, beside its task, instead of after the task that made it, so that
       ranks do not wait on each other's exchange; a value reaches another rank one
