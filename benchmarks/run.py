@@ -199,7 +199,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
           attention: str | None = None, seq_len: int = 0):
   """(config, Flax model, piper-jax directives or None for a baseline) of a variant on n devices."""
   import piper_jax as pj
-  from examples import gpt, moe
+  from examples import gpt, moe, qwen3
 
   base, mods = split_variant(variant)
   pipe = parse_pipeline(base, zero)
@@ -214,8 +214,8 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
                        f"{config.n_layers}, got {layers[0]}")
     config = dataclasses.replace(config, stage_layers=layers[0])
   family = _family(model)
-  net = (family.make_model(config) if family.__name__.endswith("qwen3")
-         else moe.MoEGPT(config) if model.startswith("moe-") else gpt.GPT(config))
+  net = (family.make_model(config) if family is qwen3
+         else moe.MoEGPT(config) if family is moe else gpt.GPT(config))
   if base in BASELINES:
     return config, net, None
   reduce_dtype = "bfloat16" if "rbf16" in mods else None
@@ -269,13 +269,13 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import piper_jax as pj
-  from examples import gpt
+  from examples import gpt, qwen3
 
   devices = jax.devices()
   n = len(devices)
   base, mods = split_variant(variant)
   config, net, directives = build(variant, model, n, microbatches, pp, zero, attention, seq_len)
-  family = _family(model) if model.startswith("qwen3") else gpt
+  family = qwen3 if model.startswith("qwen3") else gpt  # the MoE GPT is a GPT here
   loss_fn = family.loss_fn(net)
   params = family.init_params(net, jax.random.PRNGKey(0))
   # "+mask": no weight decay on vectors (biases, norms), the common LLM setting; such an

@@ -79,20 +79,7 @@ class GPTConfig:
   tp_axis: str | None = None
 
   def __post_init__(self):
-    if self.attention not in (None, "xla", "cudnn"):
-      raise ValueError(f"attention={self.attention!r}: use None, 'xla' or 'cudnn'")
-    if self.stage_layers is not None:
-      layers = tuple(self.stage_layers)
-      object.__setattr__(self, "stage_layers", layers)  # hashable, like the rest
-      if (len(layers) != self.n_stages or min(layers, default=0) < 1
-          or sum(layers) != self.n_layers):
-        raise ValueError(
-            f"stage_layers={layers} must give each of the n_stages={self.n_stages} "
-            f"stages at least one block, {self.n_layers} (n_layers) in all")
-    elif self.n_stages < 1 or self.n_layers % self.n_stages:
-      raise ValueError(
-          f"n_layers={self.n_layers} must be divisible by n_stages="
-          f"{self.n_stages}; pick n_stages among the divisors of n_layers")
+    check_stages(self)
     if self.d_model % self.n_heads:
       raise ValueError(
           f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
@@ -104,9 +91,33 @@ class GPTConfig:
   @property
   def stage_bounds(self) -> list[tuple[int, int]]:
     """[first block, end) of every pipeline region."""
-    layers = self.stage_layers or (self.n_layers // self.n_stages,) * self.n_stages
-    ends = [sum(layers[:s + 1]) for s in range(self.n_stages)]
-    return [(e - n, e) for e, n in zip(ends, layers)]
+    return stage_bounds(self)
+
+
+def check_stages(config) -> None:
+  """Checks a config's `attention` and its blocks per pipeline stage (`n_layers`,
+  `n_stages`, `stage_layers`, which it stores as a tuple); for every example model."""
+  if config.attention not in (None, "xla", "cudnn"):
+    raise ValueError(f"attention={config.attention!r}: use None, 'xla' or 'cudnn'")
+  if config.stage_layers is not None:
+    layers = tuple(config.stage_layers)
+    object.__setattr__(config, "stage_layers", layers)  # hashable, like the rest
+    if (len(layers) != config.n_stages or min(layers, default=0) < 1
+        or sum(layers) != config.n_layers):
+      raise ValueError(
+          f"stage_layers={layers} must give each of the n_stages={config.n_stages} "
+          f"stages at least one block, {config.n_layers} (n_layers) in all")
+  elif config.n_stages < 1 or config.n_layers % config.n_stages:
+    raise ValueError(
+        f"n_layers={config.n_layers} must be divisible by n_stages={config.n_stages}; "
+        f"pick n_stages among the divisors of n_layers, or give stage_layers")
+
+
+def stage_bounds(config) -> list[tuple[int, int]]:
+  """[first block, end) of every pipeline region of a config checked by `check_stages`."""
+  layers = config.stage_layers or (config.n_layers // config.n_stages,) * config.n_stages
+  ends = [sum(layers[:s + 1]) for s in range(config.n_stages)]
+  return [(e - n, e) for e, n in zip(ends, layers)]
 
 
 PRESETS: dict[str, dict[str, int]] = {

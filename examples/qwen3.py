@@ -64,10 +64,12 @@ import optax
 from piper_jax.annotate import annotate
 
 try:
-  from examples.gpt import _dense, _dense_init, attention_implementation, count_params
+  from examples.gpt import (_dense, _dense_init, attention_implementation, check_stages,
+                            count_params, stage_bounds)
   from examples.gpt import random_batch as _gpt_random_batch
 except ImportError:  # run from examples/ as a script
-  from gpt import _dense, _dense_init, attention_implementation, count_params
+  from gpt import (_dense, _dense_init, attention_implementation, check_stages, count_params,
+                   stage_bounds)
   from gpt import random_batch as _gpt_random_batch
 
 __all__ = [
@@ -132,20 +134,7 @@ class Qwen3Config:
   tp_axis: str | None = None
 
   def __post_init__(self):
-    if self.attention not in (None, "xla", "cudnn"):
-      raise ValueError(f"attention={self.attention!r}: use None, 'xla' or 'cudnn'")
-    if self.stage_layers is not None:
-      layers = tuple(self.stage_layers)
-      object.__setattr__(self, "stage_layers", layers)  # hashable, like the rest
-      if (len(layers) != self.n_stages or min(layers, default=0) < 1
-          or sum(layers) != self.n_layers):
-        raise ValueError(
-            f"stage_layers={layers} must give each of the n_stages={self.n_stages} "
-            f"stages at least one block, {self.n_layers} (n_layers) in all")
-    elif self.n_stages < 1 or self.n_layers % self.n_stages:
-      raise ValueError(
-          f"n_layers={self.n_layers} must be divisible by n_stages={self.n_stages}; "
-          f"pick n_stages among the divisors of n_layers, or give stage_layers")
+    check_stages(self)
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
     if self.head_dim % 2:
@@ -154,9 +143,7 @@ class Qwen3Config:
   @property
   def stage_bounds(self) -> list[tuple[int, int]]:
     """[first block, end) of every pipeline region."""
-    layers = self.stage_layers or (self.n_layers // self.n_stages,) * self.n_stages
-    ends = [sum(layers[:s + 1]) for s in range(self.n_stages)]
-    return [(e - n, e) for e, n in zip(ends, layers)]
+    return stage_bounds(self)
 
 
 @dataclasses.dataclass(frozen=True)

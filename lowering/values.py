@@ -37,49 +37,47 @@ class ValueKey:
   __repr__ = __str__  # windows and tables print hundreds of keys
 
 
-class _Ordered:
-  """Locations of both kinds sort together (JAX sorts a pytree dict's keys)."""
+class _Location:
+  """What `Kept` and `Received` share: both kinds sort together (JAX sorts a pytree
+  dict's keys), move by ticks, and print as their `__str__` (tables print hundreds)."""
+
+  tick: int
 
   def _order(self) -> tuple:
     return (self.tick, type(self).__name__, dataclasses.astuple(self))
 
-  def __lt__(self, other: "_Ordered") -> bool:
+  def __lt__(self, other: "_Location") -> bool:
     return self._order() < other._order()
+
+  def shifted(self, ticks: int):
+    """The same location `ticks` ticks later."""
+    return dataclasses.replace(self, tick=self.tick + ticks)
+
+  def __repr__(self) -> str:
+    return str(self)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Kept(_Ordered):
+class Kept(_Location):
   """Position `pos` of the values a rank keeps from tick `tick` for its own later ticks."""
 
   tick: int
   pos: int
 
-  def shifted(self, ticks: int) -> "Kept":
-    """The same location `ticks` ticks later."""
-    return dataclasses.replace(self, tick=self.tick + ticks)
-
   def __str__(self) -> str:
     return f"keep:t{self.tick}:{self.pos}"
 
-  __repr__ = __str__
-
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Received(_Ordered):
+class Received(_Location):
   """Position `pos` of what a rank receives in round `round` after tick `tick`."""
 
   tick: int
   round: int
   pos: int
 
-  def shifted(self, ticks: int) -> "Received":
-    """The same location `ticks` ticks later."""
-    return dataclasses.replace(self, tick=self.tick + ticks)
-
   def __str__(self) -> str:
     return f"recv:t{self.tick}:{self.round}:{self.pos}"
-
-  __repr__ = __str__
 
 
 Location = Kept | Received
