@@ -34,7 +34,7 @@ from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions, sign
 from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
                                         backward_weight, full_residuals, region_backward,
-                                        region_forward, split_backward)
+                                        region_forward, region_key, relabel, split_backward)
 from piper_jax.lowering.rolling import Window, find_window
 from piper_jax.lowering.schedule_table import pair_rounds
 from piper_jax.lowering.tick_loop import TickLoop
@@ -99,16 +99,9 @@ class Program:
     self.data_axes = mesh.data_axes
     self.n_data = mesh.n_data
     self.ep = mesh.size("ep")
-    self.ad: dict[int, RegionAD] = {r.index: analyze_region(runner, r.index, bool(options.remat))
-                                    for r in self.model.regions}
+    self.ad: dict[int, RegionAD] = {}
     self.split: dict[int, BackwardSplit] = {}
-    wide = options.wide_weight_grads and plan.n_microbatches > 1
-    for t in plan.tasks.values():
-      if t.pass_ in (Pass.B, Pass.BI) and t.region not in self.split:
-        out_avals = runner.out_avals(t.region)
-        cts = [out_avals[k] for k in self.ad[t.region].float_outs]
-        self.split[t.region] = split_backward(self.ad[t.region], cts, runner.axis_env, wide,
-                                              options.slim_carry, options.column_sum_rows)
+    self._analyze_regions(runner, plan, options)
     self.n_mb = plan.n_microbatches
     self.mbs = self.model.batch_size
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
@@ -128,6 +121,31 @@ class Program:
     # collectives before it (`order_collectives`, which `pj.compile` sets on CPU);
     # GPUs run one program order, where a ppermute may overlap the next tick's work.
     self.order_collectives = order_collectives
+
+  def _analyze_regions(self, runner: RegionRunner, plan: Plan, options: LoweringOptions):
+    """Each region's vjp analysis (`ad`) and backward split (`split`), traced once per
+    `region_key`: a region that traces like an earlier one (a pipeline's middle stages)
+    takes that one's jaxprs, relabelled with its own names."""
+    remat = bool(options.remat)
+    wide = options.wide_weight_grads and plan.n_microbatches > 1
+    backward = {t.region for t in plan.tasks.values() if t.pass_ in (Pass.B, Pass.BI)}
+    first: dict[tuple, int] = {}  # region key -> the first region traced with it
+    for spec in self.model.regions:
+      r = spec.index
+      src = first.setdefault(region_key(runner, r, remat), r)
+      if src != r and (r in backward) == (src in backward):
+        found = relabel(runner, src, r, self.ad[src], self.split.get(src))
+        if found is not None:
+          self.ad[r], split = found
+          if split is not None:
+            self.split[r] = split
+          continue
+      self.ad[r] = analyze_region(runner, r, remat)
+      if r in backward:
+        out_avals = runner.out_avals(r)
+        cts = [out_avals[k] for k in self.ad[r].float_outs]
+        self.split[r] = split_backward(self.ad[r], cts, runner.axis_env, wide,
+                                       options.slim_carry, options.column_sum_rows)
 
   def compiler_options(self, platform: str) -> dict:
     """XLA options for this program's step on `platform` (`jax.jit`'s `compiler_options`);

@@ -16,11 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from piper_jax.lowering.compat import Literal, eval_eqns, read
+from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, Literal, eval_eqns, read
 from piper_jax.lowering.local import RegionRunner
 
-__all__ = ["RegionAD", "analyze_region"]
+__all__ = ["RegionAD", "analyze_region", "region_key", "relabel"]
 
 
 # Equations cheap enough to redo in B instead of storing their result per microbatch:
@@ -222,6 +223,170 @@ def analyze_region(runner: RegionRunner, r: int, remat: bool = False) -> RegionA
   return RegionAD(r, diff_params, diff_acts, float_outs, other_outs, list(res_vars), alias,
                   box["tree"], jaxpr, dict(zip(jaxpr.constvars, closed.consts)), stored, eqns,
                   inputs)
+
+
+# -- regions that trace alike ----------------------------------------------------
+
+class _Ident:
+  """A value compared by identity (jaxprs, functions, unhashable parameters)."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj):
+    self.obj = obj
+
+  def __eq__(self, other):
+    return isinstance(other, _Ident) and other.obj is self.obj
+
+  def __hash__(self):
+    return id(self.obj)
+
+
+def _freeze(x):
+  """A hashable stand-in for an equation parameter, equal only for values that trace alike."""
+  if isinstance(x, (tuple, list)):
+    return (type(x), tuple(_freeze(y) for y in x))
+  if isinstance(x, (set, frozenset)):
+    return (frozenset, frozenset(_freeze(y) for y in x))
+  if isinstance(x, dict):
+    return (dict, tuple((k, _freeze(v)) for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))))
+  if isinstance(x, np.ndarray):
+    return (np.ndarray, x.dtype.str, x.shape, x.tobytes())
+  try:
+    hash(x)
+  except TypeError:
+    return _Ident(x)
+  # Types are part of the key: 1, 1.0 and True are equal but may bind differently.
+  return (type(x), x) if type(x).__eq__ is not object.__eq__ else _Ident(x)
+
+
+def _array_key(x) -> tuple:
+  a = np.asarray(x)
+  return (type(x).__name__, a.dtype.str, a.shape, a.tobytes())
+
+
+def _aval_key(a) -> tuple:
+  return (tuple(a.shape), jnp.dtype(a.dtype).str)
+
+
+def region_key(runner: RegionRunner, r: int, remat: bool = False) -> tuple:
+  """What `analyze_region(runner, r, remat)` depends on, up to the names of variables and
+  the equations' source information: regions with equal keys trace to the same jaxprs
+  (a pipeline's middle stages of equal transformer blocks)."""
+  spec, reg = runner.spec.regions[r], runner.traced.regions[r]
+  kind = runner.kind.get(r)
+  dims = runner.split_dims.get(r, {})
+  p_avals, b_avals, a_avals = runner.avals(r)
+  refs: dict = {}
+  for tag, vs in (("param", reg.param_vars), ("batch", reg.batch_vars), ("act", reg.act_vars)):
+    refs.update((v, (tag, k)) for k, v in enumerate(vs))
+  consts: list = []  # the contents of the constants the region reads, in order of first use
+
+  def ref(v):
+    if isinstance(v, Literal):
+      return ("literal", _array_key(v.val), _aval_key(v.aval))
+    if v not in refs and v in runner.traced.consts:
+      refs[v] = ("const", len(consts))
+      consts.append(_array_key(runner.traced.consts[v]))
+    return refs[v]
+
+  eqns = []
+  for e in reg.eqns:
+    ins = tuple(ref(v) for v in e.invars)
+    for v in e.outvars:
+      refs[v] = ("eqn", len(refs))
+    eqns.append((e.primitive, _freeze(e.params), ins, tuple(_aval_key(v.aval) for v in e.outvars),
+                 _freeze(e.ctx), _freeze(e.effects)))
+  return (kind, runner.axes[kind] if kind else None, tuple(dims.get(p) for p in spec.params),
+          tuple(map(_aval_key, p_avals)), tuple(map(_aval_key, b_avals)),
+          tuple(map(_aval_key, a_avals)), tuple(x.differentiable for x in spec.inputs),
+          tuple((o.shape, o.dtype) for o in spec.outputs), tuple(eqns),
+          tuple(ref(v) for v in reg.out_vars), tuple(consts), bool(remat))
+
+
+class _Relabel:
+  """Gives the equations a trace of region `src` made the source information (name
+  scopes, traceback) they have in a trace of region `dst`, whose key is the same.
+
+  An equation made while the trace ran region equation i has that equation's traceback
+  and its name stack after the trace's own (a `jvp` or `transpose` transform); it
+  gets equation i of `dst`'s. Equations made by the analysis itself stay as they are.
+  """
+
+  def __init__(self, src_eqns, dst_eqns):
+    self.by_tb: dict = {}
+    for a, b in zip(src_eqns, dst_eqns):
+      self.by_tb.setdefault(id(a.source_info.traceback), []).append((a.source_info, b.source_info))
+
+  def info(self, si):
+    found = self.by_tb.get(id(si.traceback))
+    if not found:
+      return si
+    stack = si.name_stack.stack
+    best, new = -1, set()
+    for a, b in found:
+      n = len(a.name_stack.stack)
+      if n <= len(stack) and stack[len(stack) - n:] == a.name_stack.stack and n >= best:
+        if n > best:
+          best, new = n, set()
+        new.add((id(b.traceback), b.name_stack.stack))
+        out = si.replace(traceback=b.traceback, name_stack=si.name_stack[:len(stack) - n] + b.name_stack)
+    if len(new) != 1:
+      raise _NoRelabel
+    return out
+
+  def jaxpr(self, jaxpr):
+    """`jaxpr` with its equations (and those of the jaxprs in their parameters)
+    relabelled, and {id(old equation): new equation} of its own."""
+    eqns, changed = [], False
+    for e in jaxpr.eqns:
+      params = {k: self._sub(v) for k, v in e.params.items()}
+      si = self.info(e.source_info)
+      if si is not e.source_info or any(params[k] is not v for k, v in e.params.items()):
+        e = e.replace(source_info=si, params=params)
+        changed = True
+      eqns.append(e)
+    mapping = {id(a): b for a, b in zip(jaxpr.eqns, eqns)}
+    return (jaxpr.replace(eqns=eqns) if changed else jaxpr), mapping
+
+  def _sub(self, v):
+    if isinstance(v, ClosedJaxpr):
+      j, _ = self.jaxpr(v.jaxpr)
+      return v if j is v.jaxpr else v.replace(jaxpr=j)
+    if isinstance(v, Jaxpr):
+      return self.jaxpr(v)[0]
+    if isinstance(v, tuple) and any(isinstance(x, (ClosedJaxpr, Jaxpr)) for x in v):
+      new = tuple(self._sub(x) for x in v)
+      return v if all(a is b for a, b in zip(new, v)) else new
+    return v
+
+
+class _NoRelabel(Exception):
+  pass
+
+
+def relabel(runner: RegionRunner, src: int, dst: int, ad: RegionAD,
+            split: BackwardSplit | None = None) -> tuple[RegionAD, BackwardSplit | None] | None:
+  """Region `dst`'s analysis (and backward split) from region `src`'s, whose
+  `region_key` is the same: the same jaxprs with `dst`'s source information; None when
+  an equation's could not be told apart (then `dst` is traced itself).
+
+  The copy shares `ad`'s variables and its `res_tree` (which only `split_backward`
+  reads: `split` is that of `dst`).
+  """
+  rl = _Relabel(runner.traced.regions[src].eqns, runner.traced.regions[dst].eqns)
+  try:
+    jaxpr, eqn_of = rl.jaxpr(ad.jaxpr)
+    new_ad = dataclasses.replace(ad, region=dst, jaxpr=jaxpr,
+                                 recompute_eqns=[eqn_of[id(e)] for e in ad.recompute_eqns])
+    if split is None:
+      return new_ad, None
+    j, eqn_of = rl.jaxpr(split.jaxpr)
+    return new_ad, dataclasses.replace(split, jaxpr=j,
+                                       bi_eqns=[eqn_of[id(e)] for e in split.bi_eqns],
+                                       bw_eqns=[eqn_of[id(e)] for e in split.bw_eqns])
+  except _NoRelabel:
+    return None
 
 
 def region_forward(ad: RegionAD, params, batch, acts):
