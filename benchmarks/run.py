@@ -84,6 +84,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # examples/ holds the models
 
 BASELINES = ("jit-dp", "gspmd-fsdp", "shmap-dp", "shmap-accum")
 PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
@@ -256,6 +257,36 @@ def accumulated_value_and_grad(loss_fn, accumulate: int):
   return value_and_grad
 
 
+def init_params(family, net, seed: int = 0):
+  """Random parameters of the shapes `family.init_params` gives, made by one small
+  program per distinct shape: ones for norm scales, zeros for biases, N(0, 0.02)
+  otherwise. Flax's init compiles every initializer into one program, which took XLA
+  94 s for the 8B-shaped Qwen3 on an H200; timing does not depend on the values. On
+  CPU (the small runs the tests compare) it is Flax's init itself."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+
+  root = jax.random.PRNGKey(seed)
+  if jax.default_backend() == "cpu":
+    return family.init_params(net, root)
+  shapes = jax.eval_shape(lambda r: family.init_params(net, r), root)
+
+  @functools.partial(jax.jit, static_argnums=(1, 2))
+  def normal(key, shape, dtype):
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+  def leaf(i, path, s):
+    name = str(getattr(path[-1], "key", ""))
+    if name in ("scale", "bias"):
+      return (jnp.ones if name == "scale" else jnp.zeros)(s.shape, s.dtype)
+    return normal(jax.random.fold_in(root, i), s.shape, s.dtype)
+
+  flat, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  return jax.tree_util.tree_unflatten(tree, [leaf(i, p, s) for i, (p, s) in enumerate(flat)])
+
+
 def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
               zero: int = 0, attention: str | None = None, seq_len: int = 0):
   """Builds one variant's training step on this process's devices.
@@ -277,7 +308,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   config, net, directives = build(variant, model, n, microbatches, pp, zero, attention, seq_len)
   family = qwen3 if model.startswith("qwen3") else gpt  # the MoE GPT is a GPT here
   loss_fn = family.loss_fn(net)
-  params = family.init_params(net, jax.random.PRNGKey(0))
+  params = init_params(family, net)
   # "+mask": no weight decay on vectors (biases, norms), the common LLM setting; such an
   # optimizer updates whole leaves under piper-jax (`TrainStep.leaf_update`).
   mask = (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)) if "mask" in mods else None
@@ -360,6 +391,11 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   return call, state, batches, config, sim
 
 
+def _progress(text: str):
+  """A line on stderr that the parent quotes when this child runs past --timeout."""
+  print(f"[run] {text}", file=sys.stderr, flush=True)
+
+
 def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
                 pp: int = 2, zero: int = 0, attention: str | None = None, seq_len: int = 0):
   """Runs one variant in this process; returns its row."""
@@ -370,14 +406,17 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
 
   devices = jax.devices()
   n = len(devices)
+  t_start = time.perf_counter()
   call, state, batches, config, sim = make_step(variant, model, batch, microbatches, pp, zero,
                                                 attention, seq_len)
   tokens = batch * config.seq_len
+  _progress(f"{variant}: built in {time.perf_counter() - t_start:.1f} s")
 
   t0 = time.perf_counter()
   state, loss = call(state, batches[0])
   loss.block_until_ready()
   first = time.perf_counter() - t0
+  _progress(f"{variant}: first step (compile included) {first:.1f} s")
   for i in range(warmup):
     state, loss = call(state, batches[(i + 1) % len(batches)])
   loss.block_until_ready()
@@ -435,7 +474,13 @@ def _child(args, variant, model):
   if "xla" in split_variant(variant)[1]:  # process-wide XLA options, such as the allocator
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
   t0 = time.time()
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+  except subprocess.TimeoutExpired as e:  # a row that says where the child got to
+    said = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    last = [l for l in said.splitlines() if l.startswith("[run]")][-1:]
+    return {"variant": variant, "model": model, "wall_s": time.time() - t0,
+            "error": f"timed out after {args.timeout} s" + (f"; last: {last[0]}" if last else "")}
   for line in proc.stdout.splitlines():
     if line.startswith("ROW "):
       return json.loads(line[4:])
@@ -544,7 +589,6 @@ def main(argv=None):
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)
   if args.child:
-    sys.path.insert(0, ROOT)
     row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,
                       args.pp, args.zero, args.attention, args.seq_len)
     print("ROW " + json.dumps(row), flush=True)

@@ -14,6 +14,7 @@ number of stages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, ClassVar
 
@@ -289,10 +290,15 @@ def random_batch(
   Returns:
     {"tokens": int32 [batch_size, seq_len], "targets": int32 [batch_size, seq_len]}.
   """
-  cycle = jax.random.permutation(
-      jax.random.PRNGKey(pattern_seed), config.vocab_size).astype(jnp.int32)
-  start = jax.random.randint(rng, (batch_size, 1), 0, config.vocab_size)
-  walk = cycle[(start + jnp.arange(config.seq_len + 1)) % config.vocab_size]
+  return _random_walk(rng, config.vocab_size, config.seq_len, batch_size, pattern_seed)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_walk(rng, vocab_size: int, seq_len: int, batch_size: int, pattern_seed: int):
+  # One compiled program: op by op, the gather over a large vocabulary takes seconds.
+  cycle = jax.random.permutation(jax.random.PRNGKey(pattern_seed), vocab_size).astype(jnp.int32)
+  start = jax.random.randint(rng, (batch_size, 1), 0, vocab_size)
+  walk = cycle[(start + jnp.arange(seq_len + 1)) % vocab_size]
   return {"tokens": walk[:, :-1], "targets": walk[:, 1:]}
 
 
