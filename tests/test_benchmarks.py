@@ -185,3 +185,16 @@ def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
   tried.clear()
   row = run._largest_batch(argparse.Namespace(batch=8, max_batch=16), "zero3", "tiny")
   assert tried == [8, 16] and row["max_batch"] == 16 and "failed_batch" not in row
+
+
+@pytest.mark.timeout(120)
+def test_a_child_past_its_timeout_gives_a_row(tmp_path):
+  # A variant that runs past --timeout ends as a row saying so; the call goes on.
+  out = tmp_path / "t.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--timeout", "1",
+       "--variants", "jit-dp", "--out", str(out)],
+      capture_output=True, text=True, timeout=100)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["variant"] == "jit-dp" and row["error"].startswith("timed out after 1 s"), row
