@@ -198,3 +198,23 @@ def test_a_child_past_its_timeout_gives_a_row(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   (row,) = json.loads(out.read_text())["rows"]
   assert row["variant"] == "jit-dp" and row["error"].startswith("timed out after 1 s"), row
+
+
+def test_plot_draws_the_tables(tmp_path):
+  # plot.py reads each machine's table: one bar per row with a ratio, baselines marked.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import plot
+  md = tmp_path / "R.md"
+  md.write_text(
+      "# R\n\n## 2 x H200\n\n"
+      "| call | model | variant | GPUs | batch / mb | step ms | vs baseline | peak GiB |\n"
+      "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+      "| 1 | 268M | jit-dp | 2 | 16 | 31.4 | 1.00x | 10.08 |\n"
+      "| 1 | 268M | **pp-1f1b** | 2 | 16 / 8 | 46.7 | **0.68x** | - |\n"
+      "| 1 | 268M | pp-zb | 2 | 16 / 8 | 50.0 | | 5.3 |\n\n## Not measured yet\n")
+  found = plot.bars(str(md))
+  assert [(b.panel, b.label, b.ratio, b.baseline, b.peak_gib) for b in found] == [
+      ("2 x H200, 268M", "1: jit-dp 16", 1.0, True, 10.08),
+      ("2 x H200, 268M", "1: pp-1f1b 16 / 8", 0.68, False, None)]
+  plot.draw(found, str(tmp_path / "r.png"))
+  assert (tmp_path / "r.png").stat().st_size > 1000
