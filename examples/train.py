@@ -16,7 +16,9 @@ K) and pp-gpipe, pp-1f1b, pp-zb, pp-interleaved, pp-dualpipev (`--stages` pipeli
 stages, two per device for interleaved and DualPipeV, `--microbatches`, times `--dp`
 data-parallel replicas with ZeRO level `--zero`). `--check` first compares two
 steps of the strategy with the plain computation (`piper_jax.check`) and stops,
-exit status 1, when they differ.
+exit status 1, when they differ. `--strategy auto` lets `pj.strategies.search` choose
+among them for the model's `--stages` regions and `--memory-gib` per device, prints
+its table and trains with the best.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ except ImportError:
   import qwen3
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
-              "pp-dualpipev")
+              "pp-dualpipev", "auto")
 
 
 def _preset(name: str) -> dict:
@@ -88,7 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--strategy", choices=STRATEGIES, default="pp-1f1b")
   p.add_argument("--stages", type=int, default=2,
-                 help="pipeline stages (pp-* strategies)")
+                 help="pipeline stages (pp-* strategies; auto: the model's PP regions)")
+  p.add_argument("--memory-gib", type=float, default=None,
+                 help="auto: memory per device the strategy must fit (default: the "
+                      "device's, or 16 GiB on CPU)")
   p.add_argument("--microbatches", type=int, default=4,
                  help="microbatches per step (pp-* strategies)")
   p.add_argument("--dp", type=int, default=1,
@@ -137,7 +142,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_strategy(args, n_devices: int):
-  """Returns (directives, number of devices used, number of model stages)."""
+  """Returns (directives, number of devices used, number of model stages); for
+  `--strategy auto`, no directives yet (`search_strategy` chooses them)."""
+  if args.strategy == "auto":
+    if args.ep or args.dp != 1 or args.zero != 0:
+      raise UsageError("--strategy auto chooses data parallelism and ZeRO itself and does "
+                       "not search expert parallelism; drop --dp, --zero and --ep")
+    if args.stages < 1:
+      raise UsageError(f"--stages {args.stages} must be positive")
+    return None, n_devices, args.stages
   directives, n_used, n_stages = _base_strategy(args, n_devices)
   if args.ep:
     n_experts = args.experts or _preset(args.model).get("n_experts", 0)
@@ -189,6 +202,32 @@ def _base_strategy(args, n_devices: int):
   except ValueError as e:  # e.g. microbatches the schedule cannot use
     raise UsageError(f"--strategy {args.strategy}: {e}") from e
   return directives, n_used, args.stages
+
+
+def device_memory_bytes(device, cpu_default_gib: float = 16.0) -> float:
+  """The memory of one device (`memory_stats()["bytes_limit"]`), or `cpu_default_gib`
+  on CPU and wherever the backend does not say."""
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  limit = (stats or {}).get("bytes_limit")
+  return float(limit) if limit else cpu_default_gib * 2 ** 30
+
+
+def search_strategy(args, loss_fn, optimizer, params, batch, devices):
+  """`--strategy auto`: searches, prints the table; returns (directives, devices to use)."""
+  memory = (args.memory_gib * 2 ** 30 if args.memory_gib is not None
+            else device_memory_bytes(devices[0]))
+  try:
+    result = pj.strategies.search(loss_fn, optimizer, params, batch, len(devices), memory,
+                                  remat=args.remat, reduce_dtype=args.reduce_dtype,
+                                  bucket_mb=args.bucket_mb or None)
+  except ValueError as e:
+    raise UsageError(f"--strategy auto: {e}") from e
+  print(f"strategy search over {len(devices)} device(s), {memory / 2 ** 30:.3g} GiB each: "
+        f"{len(result.candidates)} fit, {len(result.rejected)} rejected")
+  print(result.table())
+  best = result.best
+  print(f"chosen: {best.name}, {best.n_microbatches} microbatch(es)")
+  return best.directives, devices[:best.n_ranks * best.dp]
 
 
 class TrainingDiverged(RuntimeError):
@@ -280,6 +319,8 @@ def main(argv=None) -> dict:
   print(f"strategy: {args.strategy}; data: {args.data}")
 
   loss_fn = family.loss_fn(model)
+  if directives is None:
+    directives, devices = search_strategy(args, loss_fn, optimizer, params, get_batch(0), devices)
   step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
                     devices=devices, roll=args.roll, remat=args.remat)
   print(step.describe())  # the plan, options, and the collectives the step runs

@@ -5,7 +5,7 @@ from __future__ import annotations
 from piper_jax import schedules
 from piper_jax.ir.directives import Directive, place, replicate, split
 
-__all__ = ["data_parallel", "pipeline"]
+__all__ = ["data_parallel", "pipeline", "search", "SearchResult", "Candidate", "CostModel"]
 
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 
@@ -73,3 +73,7 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
     else:
       out.append(replicate({"PP": s}, devices, zero=zero, reduce_dtype=reduce_dtype))
   return out + orders
+
+
+# The planner that chooses among these strategies (it builds them with the functions above).
+from piper_jax.search import Candidate, CostModel, SearchResult, search  # noqa: E402

@@ -1,0 +1,562 @@
+"""`search`: enumerates the strategies a model's annotations allow, plans and simulates
+each without devices, estimates its peak memory per device, and ranks those that fit.
+
+The model is traced once; every candidate is planned from that trace (`make_plan`
+with the candidate's directives), simulated with the regions' matmul FLOPs from the
+jaxpr (`Plan.simulate("flops")`), and costed with a `CostModel`. See `search` for what
+the time and memory estimates count and leave out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+
+from piper_jax.ir.directives import Directive, Order, order, place, replicate, split
+from piper_jax.ir.pipeline import make_plan
+from piper_jax.ir.plan import Plan
+from piper_jax.lowering.local import RegionRunner
+from piper_jax.lowering.regions import analyze_region
+from piper_jax.lowering.trace import trace_loss
+
+__all__ = ["CostModel", "MemoryEstimate", "Candidate", "Rejected", "SearchResult", "search",
+           "PIPELINE_SCHEDULES"]
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
+# "dp" is data parallelism alone (no pipeline); the others are pipeline schedules.
+ALL_SCHEDULES = ("dp",) + PIPELINE_SCHEDULES
+# Schedules whose stages may each hold several consecutive PP regions (the others
+# place a fixed pattern of single regions on each rank).
+_GROUPABLE = ("gpipe", "1f1b", "zb")
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """How simulated work becomes seconds.
+
+  Attributes:
+    flops_per_s: sustained matmul FLOP/s of one device (a region's F costs its
+      forward FLOPs, B twice that).
+    link_bytes_per_s: bytes per second one device sends or receives, for data-parallel
+      reductions and gathers and for pipeline activations.
+    tick_overhead_s: fixed time per tick of the plan (each tick is one step of the
+      lowered loop: a launch and a round of messages), which makes many small
+      microbatches cost something.
+  """
+
+  flops_per_s: float = 400e12
+  link_bytes_per_s: float = 100e9
+  tick_overhead_s: float = 20e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Peak bytes on the busiest device of a candidate, by kind."""
+
+  params: int
+  grads: int
+  optimizer: int
+  activations: int
+
+  @property
+  def total(self) -> int:
+    return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A strategy that fits, with its estimates.
+
+  Attributes:
+    name: e.g. "1f1b pp2 x dp4 zero1" or "dp8 zero3".
+    directives: the directive list for `pj.compile`.
+    schedule: "dp" (no pipeline) or a pipeline schedule.
+    n_ranks, dp, zero: pipeline ranks, data-parallel replicas per rank, ZeRO stage.
+    stages: per pipeline stage, the PP region indices it holds (empty without a pipeline).
+    n_microbatches: microbatches per step.
+    step_time: estimated seconds per step (`CostModel`).
+    compute_time, comm_time: its simulated compute (with bubbles) and communication parts.
+    bubble_fraction: simulated idle fraction of the pipeline ranks.
+    memory: estimated peak bytes per device, by kind; `peak_memory` is its total.
+    plan: the plan simulated (from the one trace at the example batch's size).
+  """
+
+  name: str
+  directives: list
+  schedule: str
+  n_ranks: int
+  dp: int
+  zero: int
+  stages: tuple[tuple[int, ...], ...]
+  n_microbatches: int
+  step_time: float
+  compute_time: float
+  comm_time: float
+  bubble_fraction: float
+  memory: MemoryEstimate
+  plan: Plan = dataclasses.field(repr=False, compare=False)
+
+  @property
+  def peak_memory(self) -> int:
+    return self.memory.total
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+  """A strategy left out, and why (over the memory bound, or not plannable)."""
+
+  name: str
+  directives: list
+  n_microbatches: int
+  reason: str
+  peak_memory: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+  """Candidates that fit `memory_per_device`, fastest first, and those rejected."""
+
+  best: Candidate
+  candidates: tuple[Candidate, ...]
+  rejected: tuple[Rejected, ...]
+  memory_per_device: float
+  top: int = 10
+
+  def table(self, top: int | None = None) -> str:
+    """A markdown table of the `top` fastest candidates (default: the search's `top`)."""
+    rows = ["| strategy | microbatches | simulated step | bubble | peak memory |",
+            "| --- | --- | --- | --- | --- |"]
+    for c in self.candidates[:self.top if top is None else top]:
+      rows.append(f"| {c.name} | {c.n_microbatches} | {_fmt_time(c.step_time)} | "
+                  f"{100 * c.bubble_fraction:.1f}% | {format_bytes(c.peak_memory)} |")
+    return "\n".join(rows)
+
+  def __str__(self) -> str:
+    return (f"{len(self.candidates)} strategies fit {format_bytes(self.memory_per_device)} per "
+            f"device ({len(self.rejected)} rejected); best: {self.best.name}, "
+            f"{self.best.n_microbatches} microbatches\n{self.table()}")
+
+
+def format_bytes(n: float) -> str:
+  """Bytes in the largest binary unit that keeps one digit before the point."""
+  for unit, size in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if abs(n) >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{int(n)} B"
+
+
+def _fmt_time(s: float) -> str:
+  if s >= 1:
+    return f"{s:.3g} s"
+  if s >= 1e-3:
+    return f"{s * 1e3:.3g} ms"
+  return f"{s * 1e6:.3g} us"
+
+
+# -- the model, measured once ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+  """What the estimates read from the one trace (all at `batch_size` rows)."""
+
+  spec: Any                         # ModelSpec
+  batch_size: int
+  pp: tuple[int, ...]               # the model's PP indices, in order (empty: no pipeline)
+  pp_flops: Mapping[int, float]     # PP index -> forward FLOPs of its regions
+  act_bytes: Mapping[bool, Mapping[int, int]]  # remat -> region -> bytes kept from F for B
+  opt_ratio: float                  # optimizer-state bytes per parameter byte
+
+
+def _measure(loss_fn, optimizer, params, example_batch, remats: Sequence[bool]) -> _Model:
+  traced = trace_loss(loss_fn, params, example_batch)
+  spec = traced.spec
+  pp_of = [dict(r.tags).get("PP") for r in spec.regions]
+  pp = tuple(sorted({p for p in pp_of if p is not None})) if None not in pp_of else ()
+  pp_flops = {p: sum(r.flops for r, q in zip(spec.regions, pp_of) if q == p) for p in pp}
+  runner = RegionRunner(traced)
+  act_bytes = {}
+  for remat in sorted(set(remats)):
+    per = {}
+    for r in spec.regions:
+      ad = analyze_region(runner, r.index, remat)
+      stored = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ad.stored_avals)
+      # The region's activation inputs are kept for its B too (received from the
+      # region before, or made on this device and counted there only once here).
+      per[r.index] = int(stored) + sum(x.spec.nbytes for x in r.inputs)
+    act_bytes[remat] = per
+  p_bytes = sum(p.nbytes for p in spec.params)
+  opt = jax.eval_shape(optimizer.init, params)
+  o_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                for x in jax.tree_util.tree_leaves(opt) if hasattr(x, "shape"))
+  return _Model(spec, spec.batch_size, pp, pp_flops, act_bytes, o_bytes / max(p_bytes, 1))
+
+
+# -- candidate directives ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """The shape of one candidate before it is planned."""
+
+  schedule: str
+  n_ranks: int
+  dp: int
+  zero: int
+  n_microbatches: int
+  stages: tuple[tuple[int, ...], ...]
+  n_virtual: int = 1
+
+  @property
+  def name(self) -> str:
+    if self.schedule == "dp":
+      return f"dp{self.dp} zero{self.zero}"
+    pp = f"pp{self.n_ranks}"
+    if self.n_virtual > 1:
+      pp += f" v{self.n_virtual}"
+    if any(len(s) > 1 for s in self.stages) and self.n_virtual == 1:
+      pp += " [" + " | ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else f"{s[0]}"
+                              for s in self.stages) + "]"
+    dp = f" x dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
+    return f"{self.schedule} {pp}{dp}"
+
+
+def _directives(lay: _Layout, reduce_dtype: str | None, bucket_mb: float | None) -> list[Directive]:
+  if lay.schedule == "dp":
+    out = [replicate({}, list(range(lay.dp)), zero=lay.zero,
+                     bucket_mb=bucket_mb if lay.zero == 0 else None, reduce_dtype=reduce_dtype)]
+    if lay.dp == 1:
+      out = [place({}, [0])]
+    return out + ([split(lay.n_microbatches)] if lay.n_microbatches > 1 else [])
+  from piper_jax import strategies
+  n_stages = len(lay.stages)
+  if all(len(s) == 1 for s in lay.stages) or lay.n_virtual > 1:
+    return strategies.pipeline(n_stages, lay.n_microbatches, lay.schedule, dp=lay.dp,
+                               zero=lay.zero, n_virtual=max(lay.n_virtual, 2),
+                               reduce_dtype=reduce_dtype)
+  # Several consecutive PP regions per rank: place each on its rank's devices, and
+  # run the schedule's stage orders with every filter of stage k widened to a group
+  # of its regions (forward in order, backward reversed; the data edges order them).
+  base = strategies.pipeline(n_stages, lay.n_microbatches, lay.schedule)
+  out: list[Directive] = [split(lay.n_microbatches)]
+  for k, regions in enumerate(lay.stages):
+    devices = [r * lay.n_ranks + k for r in range(lay.dp)]
+    for s in regions:
+      out.append(place({"PP": s}, devices) if lay.dp == 1 else
+                 replicate({"PP": s}, devices, zero=lay.zero, reduce_dtype=reduce_dtype))
+  for d in base:
+    if isinstance(d, Order):
+      out.append(order([[x for f in g for x in _widen(f, lay.stages)] for g in d.groups]))
+  return out
+
+
+def _widen(f, stages) -> list[dict]:
+  """One stage's filter as the filters of its regions (backward passes last to first)."""
+  f = dict(f)
+  regions = stages[f["PP"]]
+  if f.get("PASS", "F") != "F":
+    regions = regions[::-1]
+  return [dict(f, PP=s) for s in regions]
+
+
+def _balanced_groups(flops: Sequence[float], n: int) -> tuple[tuple[int, ...], ...]:
+  """Positions 0..len(flops)-1 cut into `n` contiguous groups with the smallest largest
+  sum (the slowest stage sets a pipeline's pace); earlier cuts on ties."""
+  k = len(flops)
+  prefix = [0.0]
+  for x in flops:
+    prefix.append(prefix[-1] + x)
+  # best[j][i]: smallest largest group of the first i positions in j groups.
+  inf = float("inf")
+  best = [[inf] * (k + 1) for _ in range(n + 1)]
+  cut = [[0] * (k + 1) for _ in range(n + 1)]
+  best[0][0] = 0.0
+  for j in range(1, n + 1):
+    for i in range(j, k + 1):
+      for c in range(j - 1, i):
+        v = max(best[j - 1][c], prefix[i] - prefix[c])
+        if v < best[j][i] - 1e-9 * max(abs(v), 1.0):
+          best[j][i], cut[j][i] = v, c
+  groups, i = [], k
+  for j in range(n, 0, -1):
+    c = cut[j][i]
+    groups.append(tuple(range(c, i)))
+    i = c
+  return tuple(reversed(groups))
+
+
+def _microbatch_counts(per_replica: int, low: int, given: Sequence[int] | None,
+                       most: int) -> list[int]:
+  """Microbatch counts that divide the per-replica batch: `given`, or powers of two
+  from `low` (rounded up to one) to `most`."""
+  if given is not None:
+    return sorted({m for m in given if m >= 1 and per_replica % m == 0})
+  out, m = [], 1
+  while m <= min(per_replica, most):
+    if m >= low and per_replica % m == 0:
+      out.append(m)
+    m *= 2
+  return out
+
+
+def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stages: Sequence[int],
+             microbatches: Sequence[int] | None, virtual_stages: Sequence[int],
+             group_regions: bool, max_microbatches: int | None) -> list[_Layout]:
+  batch = model.batch_size
+  out: list[_Layout] = []
+  zeros = lambda dp: sorted(set(zero_stages)) if dp > 1 else [0]
+  if "dp" in schedules and batch % n_devices == 0:
+    per = batch // n_devices
+    for zero in zeros(n_devices):
+      for m in _microbatch_counts(per, 1, microbatches, max_microbatches or 8):
+        out.append(_Layout("dp", 1, n_devices, zero, m, ()))
+  pp = model.pp
+  for schedule in schedules:
+    if schedule == "dp":
+      continue
+    shapes: list[tuple[int, tuple, int]] = []  # (n_ranks, stages, n_virtual)
+    if schedule in _GROUPABLE:
+      for n_ranks in range(2, len(pp) + 1):
+        if n_ranks < len(pp) and not group_regions:
+          continue
+        flops = [model.pp_flops[p] for p in pp]
+        groups = _balanced_groups(flops, n_ranks)
+        shapes.append((n_ranks, tuple(tuple(pp[i] for i in g) for g in groups), 1))
+    elif schedule == "interleaved":
+      for v in virtual_stages:
+        if v >= 2 and len(pp) % v == 0 and len(pp) // v >= 2:
+          shapes.append((len(pp) // v, tuple((p,) for p in pp), v))
+    elif schedule == "dualpipev" and len(pp) % 2 == 0 and len(pp) >= 2:
+      shapes.append((len(pp) // 2, tuple((p,) for p in pp), 2))
+    for n_ranks, stages, v in shapes:
+      if n_devices % n_ranks:
+        continue
+      dp = n_devices // n_ranks
+      if batch % dp:
+        continue
+      per = batch // dp
+      low = 2 * n_ranks if schedule == "dualpipev" else n_ranks
+      for m in _microbatch_counts(per, low, microbatches, max_microbatches or max(8, 4 * n_ranks)):
+        if schedule == "interleaved" and m % n_ranks:
+          continue
+        if schedule == "dualpipev" and m < 2 * n_ranks:
+          continue
+        for zero in zeros(dp):
+          out.append(_Layout(schedule, n_ranks, dp, zero, m, stages, v if v > 1 else 1))
+  return out
+
+
+# -- estimates ---------------------------------------------------------------------
+
+def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
+  """(step_time, compute_time, comm_time, bubble, MemoryEstimate) of a planned candidate."""
+  spec, mesh = model.spec, plan.mesh
+  rows = model.batch_size // (mesh.n_data * plan.n_microbatches)  # rows of one microbatch
+  scale = rows / model.batch_size  # the trace holds the whole batch; costs scale with rows
+  report = plan.simulate("flops")
+  top = max([r.flops for r in spec.regions] + [0.0])
+  unit = top * scale / costs.flops_per_s  # seconds per simulated unit (largest region's F)
+  compute = report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
+  n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
+  f = (n - 1) / n
+  act = model.act_bytes[remat]
+  peak = MemoryEstimate(0, 0, 0, 0)
+  comm = 0.0
+  pipelined = mesh.n_pp > 1
+  for rank in range(mesh.n_pp):
+    regions = plan.rank_regions(rank)
+    leaves = sorted({p for r in regions for p in spec.regions[r].params})
+    p_bytes = sum(spec.params[p].nbytes for p in leaves)
+    region_p = [sum(spec.params[p].nbytes for p in spec.regions[r].params) for r in regions]
+    # ZeRO-3 keeps a pipeline stage's weights gathered between its microbatches; without
+    # a pipeline it gathers one region at a time.
+    gathered = (p_bytes if pipelined else max(region_p, default=0)) if zero >= 3 else 0
+    params = int(p_bytes / (n if zero >= 3 else 1)) + gathered
+    grads = int(p_bytes / (n if zero >= 2 else 1))
+    opt = int(p_bytes * model.opt_ratio / (n if zero >= 1 else 1))
+    acts = _peak_activations(plan, report, rank, {r: int(act[r] * scale) for r in regions})
+    mem = MemoryEstimate(params, grads, opt, acts)
+    if mem.total > peak.total:
+      peak = mem
+    # Data-parallel traffic per device: ZeRO 0/1 reduce once a step and (ZeRO-1) gather
+    # the update; ZeRO 2/3 reduce-scatter per microbatch; ZeRO-3 gathers weights before
+    # each F and B (a pipeline stage: once a step).
+    if zero <= 1:
+      dp_bytes = 2 * f * p_bytes
+    elif zero == 2:
+      dp_bytes = f * p_bytes * (m + 1)
+    else:
+      dp_bytes = f * p_bytes * (m + (1 if pipelined else 2 * m))
+    # Pipeline traffic: each activation crossing ranks goes forward, its cotangent back.
+    sent = 0
+    for r in spec.regions:
+      for x in r.inputs:
+        a, b = mesh.region_rank[x.region], mesh.region_rank[r.index]
+        if a != b and rank in (a, b):
+          sent += x.spec.nbytes * scale * m
+    comm = max(comm, (dp_bytes + sent) / costs.link_bytes_per_s)
+  return compute + comm, compute, comm, report.bubble_fraction, peak
+
+
+def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) -> int:
+  """The most bytes of (region, microbatch) activations alive at once on `rank`: from
+  the end of a region's F until the end of its last backward pass, in the simulation."""
+  end = report.end
+  events = []
+  last: dict[tuple[int, int], float] = {}
+  for t in plan.tasks.values():
+    if t.rank != rank or t.pass_.value == "F":
+      continue
+    key = (t.region, t.mb)
+    last[key] = max(last.get(key, 0.0), end[t.label])
+  for t in plan.tasks.values():
+    if t.rank == rank and t.pass_.value == "F":
+      events.append((end[t.label], 1, nbytes[t.region]))
+      events.append((last.get((t.region, t.mb), end[t.label]), -1, nbytes[t.region]))
+  live = best = 0
+  for _, d, b in sorted(events, key=lambda e: (e[0], e[1])):
+    live += d * b
+    best = max(best, live)
+  return best
+
+
+# -- the search --------------------------------------------------------------------
+
+def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
+           example_batch: Any, n_devices: int, memory_per_device: float, *,
+           schedules: Sequence[str] = ALL_SCHEDULES, zero_stages: Sequence[int] = (0, 1, 3),
+           microbatches: Sequence[int] | None = None, top: int = 10,
+           costs: CostModel | None = None, virtual_stages: Sequence[int] = (2,),
+           group_regions: bool = True, max_microbatches: int | None = None,
+           remat: bool | None = None, reduce_dtype: str | None = None,
+           bucket_mb: float | None = 25.0) -> SearchResult:
+  """Chooses a strategy: enumerates, plans, simulates and ranks those that fit.
+
+  Candidates use all `n_devices`:
+
+  * "dp": data parallel over all devices (`strategies.data_parallel`), each ZeRO stage
+    of `zero_stages`, with gradient accumulation over each microbatch count.
+  * pipelines over the model's `pj.annotate("PP")` regions, each schedule of
+    `schedules` whose rank count divides `n_devices`, times data parallel over the
+    rest with each ZeRO stage: "gpipe", "1f1b" and "zb" on 2 .. n_regions ranks, where
+    fewer ranks than regions take consecutive regions each (`group_regions`; cut to
+    balance the regions' FLOPs); "interleaved" with `n_regions / v` ranks for each v of
+    `virtual_stages`; "dualpipev" with `n_regions / 2` ranks. A model's regions are its
+    finest stages: more stages need more `PP` regions in the model.
+  * microbatch counts that divide the per-replica batch: `microbatches`, or powers of
+    two from the pipeline ranks (1 without a pipeline; 2 x ranks for DualPipeV) up to
+    `max_microbatches` (default 8 without a pipeline, else max(8, 4 x ranks)).
+
+  Expert (`pj.shard`) and tensor (`pj.shard_tensor`) parallelism are not searched:
+  their memory and all-to-all traffic are not modelled yet.
+
+  Step time (`CostModel`): the plan's tick-by-tick simulated makespan with each task
+  costing its regions' matmul FLOPs from the jaxpr (B twice F) at `flops_per_s`, plus
+  `tick_overhead_s` per tick, plus communication at
+  `link_bytes_per_s` with no overlap: data-parallel reductions and gathers by ZeRO stage
+  and pipeline activations and their cotangents. Elementwise work, attention's
+  non-matmul cost and compute/communication overlap are left out.
+
+  Peak memory per device (the busiest pipeline rank): its regions' parameters (as
+  given: fp32 masters stay fp32), gradients of the same size, and optimizer state
+  (`jax.eval_shape(optimizer.init, params)`, spread over the parameters in proportion),
+  each divided over the data-parallel replicas by ZeRO (1: optimizer state, 2: and
+  gradients, 3: and parameters, plus the gathered weights of a pipeline stage or,
+  without a pipeline, of the largest region); plus activations: per (region,
+  microbatch), the residuals its F stores for B (`remat` as `pj.compile` applies it:
+  default on for pipelines) and its activation inputs, alive from the end of its F to
+  the end of its last backward in the simulation, summed at their peak. XLA's
+  temporaries, communication buffers and fragmentation are left out: leave headroom.
+
+  Args:
+    loss_fn, optimizer, params, example_batch: as `pj.compile` takes them (shapes are
+      enough); `example_batch` has the global batch size.
+    n_devices: devices to plan for.
+    memory_per_device: bytes per device; candidates estimated above it are rejected.
+    schedules: "dp" and/or pipeline schedules to try (default all).
+    zero_stages: ZeRO stages to try where there are data-parallel replicas.
+    microbatches: microbatch counts to try (default: powers of two, above).
+    top: rows of `SearchResult.table()`.
+    costs: a `CostModel` (default `CostModel()`).
+    virtual_stages: stages per rank to try for "interleaved".
+    group_regions: also try pipelines with fewer ranks than PP regions.
+    max_microbatches: the largest default microbatch count (see above).
+    remat: as `pj.compile(remat=...)` will run (None: on for pipelines only).
+    reduce_dtype, bucket_mb: passed to every `replicate` (see `strategies.data_parallel`).
+
+  Returns:
+    A `SearchResult`; `best.directives` go to `pj.compile` with the first
+    `best.n_ranks * best.dp` devices.
+
+  Raises:
+    ValueError: for bad arguments, a model without PP regions asked for pipelines
+      only, or when no candidate fits (naming the smallest need).
+  """
+  if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+    raise ValueError(f"n_devices must be an int >= 1, got {n_devices!r}; pass the number of "
+                     f"devices to plan for")
+  if not memory_per_device > 0:
+    raise ValueError(f"memory_per_device must be > 0 bytes, got {memory_per_device!r}; pass "
+                     f"each device's memory in bytes (e.g. 80 * 2**30)")
+  unknown = [s for s in schedules if s not in ALL_SCHEDULES]
+  if unknown or not schedules:
+    raise ValueError(f"schedules must be a non-empty list of {list(ALL_SCHEDULES)}, got "
+                     f"{list(schedules)}")
+  bad_zero = [z for z in zero_stages if z not in (0, 1, 2, 3)]
+  if bad_zero or not zero_stages:
+    raise ValueError(f"zero_stages must be a non-empty list of 0..3, got {list(zero_stages)}")
+  if microbatches is not None and not any(isinstance(m, int) and m >= 1 for m in microbatches):
+    raise ValueError(f"microbatches must hold ints >= 1, got {list(microbatches)}")
+  costs = costs or CostModel()
+  pipelines = [s for s in schedules if s != "dp"]
+  remats = [False if remat is None else remat] * ("dp" in schedules) + (
+      [True if remat is None else remat] if pipelines else [])
+  model = _measure(loss_fn, optimizer, params, example_batch, remats)
+  if pipelines and "dp" not in schedules and len(model.pp) < 2:
+    raise ValueError(
+        f"schedules {list(schedules)} are pipelines only, but the model has "
+        f"{len(model.pp)} pj.annotate('PP') region(s) covering it (a pipeline needs 2 or "
+        f"more, and every region inside one); annotate the model's stages with "
+        f"pj.annotate('PP') or add 'dp' to schedules")
+  layouts = _layouts(model, n_devices, schedules, zero_stages, microbatches, virtual_stages,
+                     group_regions, max_microbatches)
+  if not layouts:
+    raise ValueError(
+        f"no strategy of {list(schedules)} fits {n_devices} device(s) and a batch of "
+        f"{model.batch_size}: the batch must divide over the data-parallel replicas and "
+        f"microbatches ({microbatches or 'powers of two'}); change the batch size, "
+        f"microbatches or n_devices")
+  fits, rejected = [], []
+  for lay in layouts:
+    directives = _directives(lay, reduce_dtype, bucket_mb)
+    try:
+      plan = make_plan(model.spec, directives, lay.n_ranks * lay.dp, global_batch=model.batch_size)
+    except (ValueError, RuntimeError) as e:  # DirectiveError and PlanError are ValueErrors
+      rejected.append(Rejected(lay.name, directives, lay.n_microbatches, f"does not plan: {e}"))
+      continue
+    use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
+    step, compute, comm, bubble, mem = _estimate(model, plan, costs, use_remat)
+    if mem.total > memory_per_device:
+      rejected.append(Rejected(lay.name, directives, lay.n_microbatches,
+                               f"needs {format_bytes(mem.total)} of "
+                               f"{format_bytes(memory_per_device)}", mem.total))
+      continue
+    fits.append(Candidate(lay.name, directives, lay.schedule, lay.n_ranks, lay.dp, lay.zero,
+                          lay.stages, lay.n_microbatches, step, compute, comm, bubble, mem, plan))
+  if not fits:
+    needs = [r for r in rejected if r.peak_memory is not None]
+    smallest = min(needs, key=lambda r: r.peak_memory, default=None)
+    hint = (f"; the smallest, {smallest.name} with {smallest.n_microbatches} microbatches, "
+            f"needs {format_bytes(smallest.peak_memory)}" if smallest else
+            f": {rejected[0].reason}" if rejected else "")
+    raise ValueError(f"no strategy fits {format_bytes(memory_per_device)} per device on "
+                     f"{n_devices} device(s){hint}; give more memory or devices, more ZeRO "
+                     f"stages, pipeline schedules or microbatches")
+  # Equal times prefer fewer, larger microbatches (the FLOP model does not see that
+  # small matmuls run slower), then less memory.
+  fits.sort(key=lambda c: (c.step_time, c.n_microbatches, c.peak_memory, c.name))
+  return SearchResult(fits[0], tuple(fits), tuple(rejected), float(memory_per_device), top)

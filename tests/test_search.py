@@ -1,0 +1,124 @@
+"""`pj.strategies.search`: only strategies that fit, ranked by the simulator, and the
+chosen one trains to one device's numbers."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import piper_jax as pj
+from examples import gpt
+from models import reference_run
+from piper_jax.search import format_bytes
+
+MIB = 1 << 20
+
+
+def _gpt(n_stages, batch_size=16):
+  config = gpt.get_config("tiny", n_stages=n_stages)
+  net = gpt.GPT(config)
+  params = gpt.init_params(net, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), batch_size)
+  return gpt.loss_fn(net), params, batch
+
+
+@pytest.mark.timeout(60)
+def test_only_strategies_that_fit():
+  loss, params, batch = _gpt(4)
+  tx = optax.adamw(1e-3)
+  free = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, top=100)
+  peaks = {(c.name, c.n_microbatches): c.peak_memory for c in free.candidates}
+  assert not free.rejected and len(peaks) == len(free.candidates)
+  names = {c.name for c in free.candidates}
+  # Data parallel, pipelines on the 4 regions and on 2 ranks of 2 regions each, every schedule.
+  assert {"dp8 zero0", "dp8 zero3", "1f1b pp4 x dp2 zero1", "1f1b pp2 [0-1 | 2-3] x dp4 zero1",
+          "zb pp2 [0-1 | 2-3] x dp4 zero3", "interleaved pp2 v2 x dp4 zero1",
+          "dualpipev pp2 v2 x dp4 zero0"} <= names
+  # A tight bound: below every data-parallel ZeRO-0 candidate, above the smallest ZeRO-3 one.
+  zero0 = min(p for (n, _), p in peaks.items() if n == "dp8 zero0")
+  zero3 = min(p for (n, _), p in peaks.items() if n == "dp8 zero3")
+  assert zero3 < zero0
+  bound = (zero0 + zero3) / 2
+  tight = pj.strategies.search(loss, tx, params, batch, 8, bound, top=100)
+  assert all(c.peak_memory <= bound for c in tight.candidates)
+  assert {c.name for c in tight.candidates} & {"dp8 zero3", "1f1b pp4 x dp2 zero1"}
+  assert "dp8 zero0" not in {c.name for c in tight.candidates}
+  rejected = {(r.name, r.n_microbatches): r for r in tight.rejected}
+  for m in (1, 2):
+    r = rejected[("dp8 zero0", m)]
+    assert r.reason == (f"needs {format_bytes(peaks[('dp8 zero0', m)])} of "
+                        f"{format_bytes(bound)}")
+    assert r.peak_memory > bound
+  assert len(tight.candidates) + len(tight.rejected) == len(free.candidates)
+  table = tight.table(top=3).splitlines()
+  assert table[0].startswith("| strategy | microbatches | simulated step") and len(table) == 5
+  times = [c.step_time for c in tight.candidates]
+  assert times == sorted(times)
+
+
+@pytest.mark.timeout(60)
+def test_best_trains_like_one_device():
+  # Plain SGD, so that a wrongly scaled gradient shows in the updated parameters.
+  loss, params, batch = _gpt(4)
+  tx = optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, top=100)
+  grouped = next(c for c in result.candidates if c.schedule == "1f1b" and c.n_ranks == 2
+                 and c.stages == ((0, 1), (2, 3)))
+  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
+  for cand in (result.best, grouped):
+    n = cand.n_ranks * cand.dp
+    step = pj.compile(loss, tx, cand.directives, params, batch, devices=jax.devices()[:n])
+    state, got = step(step.init(params), batch)
+    np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                                atol=1e-6),
+        step.params(state), ref_params)
+
+
+@pytest.mark.timeout(30)
+def test_more_microbatches_of_1f1b_rank_above_gpipe_with_2():
+  # No tick overhead: FLOPs alone, where 2 microbatches on 2 ranks leave a third idle.
+  loss, params, batch = _gpt(2)
+  costs = pj.strategies.CostModel(tick_overhead_s=0.0)
+  result = pj.strategies.search(loss, optax.sgd(0.1), params, batch, 2, 1 << 40,
+                                schedules=("gpipe", "1f1b"), microbatches=(2, 8), costs=costs)
+  rank = {(c.schedule, c.n_microbatches): i for i, c in enumerate(result.candidates)}
+  by = {(c.schedule, c.n_microbatches): c for c in result.candidates}
+  assert rank[("1f1b", 8)] < rank[("gpipe", 2)]
+  assert by[("gpipe", 2)].bubble_fraction > 2 * by[("1f1b", 8)].bubble_fraction
+  assert by[("gpipe", 2)].compute_time > by[("1f1b", 8)].compute_time
+  # 1F1B keeps fewer microbatches alive than GPipe at the same count.
+  assert by[("1f1b", 8)].memory.activations < by[("gpipe", 8)].memory.activations
+
+
+@pytest.mark.timeout(30)
+def test_bad_input_says_what_to_change():
+  loss, params, batch = _gpt(2)
+  tx = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="n_devices must be an int >= 1, got 0"):
+    pj.strategies.search(loss, tx, params, batch, 0, 1 << 30)
+  with pytest.raises(ValueError, match="memory_per_device must be > 0 bytes"):
+    pj.strategies.search(loss, tx, params, batch, 8, 0)
+  with pytest.raises(ValueError, match="schedules must be a non-empty list"):
+    pj.strategies.search(loss, tx, params, batch, 8, 1 << 30, schedules=("pp",))
+  one, one_params, one_batch = _gpt(1)
+  with pytest.raises(ValueError, match="annotate the model's stages with pj.annotate\\('PP'\\) "
+                                       "or add 'dp' to schedules"):
+    pj.strategies.search(one, tx, one_params, one_batch, 8, 1 << 30, schedules=("1f1b", "zb"))
+  with pytest.raises(ValueError, match="no strategy fits 1.0 KiB per device.*give more memory"):
+    pj.strategies.search(loss, tx, params, batch, 8, 1024)
+
+
+@pytest.mark.timeout(60)
+def test_train_script_auto(capsys):
+  from examples import train
+  with pytest.raises(train.UsageError, match="drop --dp, --zero and --ep"):
+    train.build_strategy(train.parse_args(["--strategy", "auto", "--dp", "2"]), 8)
+  # A bound that only pipelines meet: the script prints the table and trains the best.
+  out = train.main(["--strategy", "auto", "--stages", "2", "--steps", "2", "--batch", "16",
+                    "--data", "synthetic", "--memory-gib", str(2.5 / 1024), "--quiet"])
+  printed = capsys.readouterr().out
+  assert "| strategy | microbatches | simulated step | bubble | peak memory |" in printed
+  assert "chosen: " in printed and " pp2 " in printed.split("chosen: ")[1].splitlines()[0]
+  assert out["step"].plan.mesh.n_pp == 2 and np.isfinite(out["losses"]).all()
