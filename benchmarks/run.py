@@ -257,6 +257,29 @@ def accumulated_value_and_grad(loss_fn, accumulate: int):
   return value_and_grad
 
 
+def lowering_options(mods: list[str]):
+  """The `pj.LoweringOptions` a variant's suffixes choose (the module docstring says
+  what each does)."""
+  import piper_jax as pj
+  return pj.LoweringOptions(
+      tick_loop=("loop" in mods) if {"loop", "noloop"} & set(mods)
+      else pj.LoweringOptions.tick_loop,
+      roll="noroll" not in mods,
+      max_carry_depth=4 if "deeproll" in mods else 1,
+      remat=True if "remat" in mods else False if "noremat" in mods else None,
+      cast_weights="nocast" not in mods,
+      cast_in_pipelines="taskcast" not in mods,
+      unpack_in_pipelines="nounpack" not in mods,
+      shard_masters="nodistopt" not in mods,
+      column_sum_rows=0 if "nocolsum" in mods else pj.LoweringOptions.column_sum_rows,
+      wide_weight_grads="nowidegrad" not in mods,
+      slim_carry="noslimcarry" not in mods,
+      zero3_reshard="keepgathered" not in mods,
+      spread_uneven_slots="spread" in mods,
+      overlap_exchange="syncx" not in mods,
+      compiler_options={} if "nocmdbuf" in mods else None)
+
+
 def init_params(family, net, seed: int = 0):
   """Random parameters of the shapes `family.init_params` gives, made by one small
   program per distinct shape: ones for norm scales, zeros for biases, N(0, 0.02)
@@ -361,24 +384,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]
   else:
-    # A/B variants choose lowering options (see the module docstring for each suffix).
-    options = pj.LoweringOptions(
-        tick_loop=("loop" in mods) if {"loop", "noloop"} & set(mods)
-        else pj.LoweringOptions.tick_loop,
-        roll="noroll" not in mods,
-        max_carry_depth=4 if "deeproll" in mods else 1,
-        remat=True if "remat" in mods else False if "noremat" in mods else None,
-        cast_weights="nocast" not in mods,
-        cast_in_pipelines="taskcast" not in mods,
-        unpack_in_pipelines="nounpack" not in mods,
-        shard_masters="nodistopt" not in mods,
-        column_sum_rows=0 if "nocolsum" in mods else pj.LoweringOptions.column_sum_rows,
-        wide_weight_grads="nowidegrad" not in mods,
-        slim_carry="noslimcarry" not in mods,
-        zero3_reshard="keepgathered" not in mods,
-        spread_uneven_slots="spread" in mods,
-        overlap_exchange="syncx" not in mods,
-        compiler_options={} if "nocmdbuf" in mods else None)
+    options = lowering_options(mods)
     t0 = time.perf_counter()
     call = pj.compile(loss_fn, tx, directives, params, batches[0], options=options)
     sim["build_s"] = time.perf_counter() - t0  # tracing, planning, region analysis
