@@ -66,7 +66,7 @@ them (each step called before the previous one's loss is waited for, so the host
 prepares the next step while the GPU runs this one; "blocked ms" is the median with
 the host waiting for each step before calling the next; "host ms" is how long a step's call takes to return: when it is close to "step
 ms" and "step ms" is no less than "blocked ms", the host is the limit), tokens/s, MFU
-(against the dense bf16 peak of the card, `examples.gpt.PEAK_FLOPS`), peak device memory
+(against the dense bf16 peak of the card, `benchmarks/hardware.py`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
 step, plus `pj.compile`'s own tracing and planning, `build_s`), and the ratio of tokens/s to the matching plain-JAX baseline.
 """
@@ -454,7 +454,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
     stats = d.memory_stats() or {}
     peak = max(peak, stats.get("peak_bytes_in_use", 0))
   kind = devices[0].device_kind
-  peak_flops = gpt.peak_flops(kind)
+  from hardware import peak_flops
+  peak_flops = peak_flops(kind)
   tps = tokens / step_s
   fpt = _family(model).flops_per_token(config)
   mfu = fpt * tps / (n * peak_flops) if peak_flops else None

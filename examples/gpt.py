@@ -312,11 +312,9 @@ def balanced_stage_layers(config: GPTConfig, n_stages: int) -> tuple[int, ...]:
 
   The last stage also runs the output head and the loss; they count as
   `head FLOPs / block FLOPs + 1` blocks, the one for the softmax and cross-entropy
-  over the vocabulary, which are memory-bound (a 268M GPT profiled on H200 spent
-  about a block's time on them). The first stage's
-  embedding lookup counts as nothing. That calibration dates from XLA's attention:
-  with cuDNN attention the equal split ran faster on H200s (268M: 8/8 blocks 7%
-  faster than 10/6; benchmarks/RESULTS.md, 4 x H200).
+  over the vocabulary, which are memory-bound (about a block's time on a GPU). The
+  first stage's embedding lookup counts as nothing. With cuDNN's fused attention the
+  blocks run faster and an equal split of blocks can be the faster one: measure both.
   """
   d, L, T = config.d_model, config.n_layers, config.seq_len
   block = (4 + 2 * config.mlp_ratio) * d * d + 2 * d * T
@@ -344,11 +342,3 @@ def flops_per_token(config: GPTConfig) -> float:
   n_matmul = L * per_block + d * config.vocab_size
   return 6.0 * n_matmul + 12.0 * L * d * config.seq_len
 
-
-# Dense bf16 peak FLOP/s per card (no sparsity), for MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops(device_kind: str) -> float | None:
-  """The dense bf16 peak of a card by its `device_kind`, or None when unknown (CPU)."""
-  return next((v for k, v in PEAK_FLOPS.items() if k in device_kind), None)

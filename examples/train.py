@@ -24,40 +24,10 @@ its table and trains with the best.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
-
-_NUM_CPU_DEVICES = 8
-
-
-def _configure_cpu_devices() -> None:
-  """Asks for 8 CPU devices; must run before JAX's backend initialises."""
-  if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu"):
-    return
-  flag = "--xla_force_host_platform_device_count"
-  if flag in os.environ.get("XLA_FLAGS", ""):
-    return  # the user chose a count
-  import jax
-
-  try:
-    jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES)
-  except AttributeError:
-    # Older JAX without the option: XLA reads the flag when the backend starts.
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" {flag}={_NUM_CPU_DEVICES}").strip()
-  except RuntimeError:
-    pass  # backend already running (e.g. called from a test): use its devices
-
-
-_configure_cpu_devices()
-
-# Run as a script without an installed piper_jax: import it from the repository.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-  sys.path.append(_REPO)
-
-import json
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +43,25 @@ except ImportError:
   import gpt  # run as a script: examples/ is on sys.path
   import moe
   import qwen3
+
+CPU_DEVICES = 8  # simulated devices when JAX finds no accelerator
+
+
+def use_simulated_cpu_devices(n: int = CPU_DEVICES) -> None:
+  """Asks for `n` CPU devices when JAX runs on the CPU; must run before the first device
+  is used (afterwards, e.g. under a test, the backend's devices stay)."""
+  if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu"):
+    return
+  if "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return  # the user chose a count
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except AttributeError:  # a JAX without the option reads the flag when its backend starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={n}").strip()
+  except RuntimeError:
+    pass  # the backend already runs
+
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
               "pp-dualpipev", "auto")
@@ -137,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--check", action="store_true",
                  help="before training, compare two steps of the strategy on the first batch "
                       "with the plain computation (piper_jax.check) and stop if they differ")
+  p.add_argument("--log-every", type=int, default=10,
+                 help="read the loss and log every N steps (reading it waits for the devices)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   return p.parse_args(argv)
 
@@ -273,9 +264,12 @@ def text_batch(corpus: np.ndarray, seq_len: int, batch: int, seed: int, step: in
 def main(argv=None) -> dict:
   """Runs the training job; returns {"losses", "tokens_per_s", "step", "state"}."""
   args = parse_args(argv)
+  use_simulated_cpu_devices()
   devices = jax.devices()
   directives, n_used, n_stages = build_strategy(args, len(devices))
   devices = devices[:n_used]
+  if args.log_every < 1:
+    raise UsageError(f"--log-every must be >= 1, got {args.log_every}")
   if (args.resume or args.ckpt_every) and not args.ckpt_dir:
     raise UsageError("--resume and --ckpt-every need --ckpt-dir")
 
@@ -342,41 +336,51 @@ def main(argv=None) -> dict:
     state = step.init(params)
 
   tokens_per_step = args.batch * config.seq_len
-  peak = gpt.peak_flops(devices[0].device_kind)
-  flops = (moe.flops_per_token if args.experts else family.flops_per_token)(config)
+  flops_per_step = tokens_per_step * (
+      moe.flops_per_token if args.experts else family.flops_per_token)(config)
   metrics = open(args.metrics, "a") if args.metrics else None
   bar = None if args.quiet else tqdm(total=args.steps, initial=first, unit="step",
                                      dynamic_ncols=True)
-  losses, times, saved = [], [], first
+  losses, windows, saved = [], [], first
+  pending, since = [], time.perf_counter()  # steps called whose losses are not read yet
   try:
     for i in range(first, args.steps):
-      batch = get_batch(i)
-      start = time.perf_counter()
-      state, loss = step(state, batch)
-      loss = float(jax.block_until_ready(loss))
-      elapsed = time.perf_counter() - start
-      if not np.isfinite(loss):
-        where = f"step {saved} in {args.ckpt_dir}" if args.ckpt_dir and saved else "none"
-        raise TrainingDiverged(f"loss is {loss} at step {i + 1}; stopped. Last good "
-                               f"checkpoint: {where}")
-      losses.append(loss)
-      tps = tokens_per_step / elapsed
-      if i > first:
-        times.append(elapsed)
-      mfu = flops * tps / (peak * len(devices)) if peak else None
-      if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}",
-                        **({"mfu": f"{100 * mfu:.1f}%"} if mfu else {}))
-      else:
-        print(f"step {i + 1:5d}  loss {loss:.4f}  {tps:,.0f} tok/s")
-      if metrics:
-        metrics.write(json.dumps({"step": i + 1, "loss": loss, "tokens_per_s": tps,
-                                  "mfu": mfu, "seconds": elapsed}) + "\n")
-        metrics.flush()
+      state, loss = step(state, get_batch(i))  # returns before the devices finish
+      pending.append(loss)
       done = i + 1
-      if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
-                            or done == args.steps):
+      save = args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
+                                or done == args.steps)
+      if not (save or done % args.log_every == 0 or done == args.steps):
+        continue
+      # Reading the losses waits for the devices: once every --log-every steps.
+      values = [float(x) for x in pending]
+      now = time.perf_counter()
+      seconds = (now - since) / len(values)
+      for k, value in enumerate(values):
+        if not np.isfinite(value):
+          where = f"step {saved} in {args.ckpt_dir}" if args.ckpt_dir and saved else "none"
+          raise TrainingDiverged(f"loss is {value} at step {done - len(values) + k + 1}; "
+                                 f"stopped. Last good checkpoint: {where}")
+      losses += values
+      if done - len(values) > first:  # the first window holds the compilation
+        windows.append((len(values), now - since))
+      tps = tokens_per_step / seconds
+      tflops = flops_per_step / seconds / len(devices) / 1e12
+      if bar is not None:
+        bar.update(len(values))
+        bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{tps:,.0f}",
+                        tflops_per_device=f"{tflops:.1f}")
+      else:
+        print(f"step {done:5d}  loss {values[-1]:.4f}  {tps:,.0f} tok/s  "
+              f"{tflops:.1f} TFLOP/s per device")
+      if metrics:
+        for k, value in enumerate(values):
+          metrics.write(json.dumps({"step": done - len(values) + k + 1, "loss": value,
+                                    "tokens_per_s": tps, "tflops_per_device": tflops,
+                                    "seconds": seconds}) + "\n")
+        metrics.flush()
+      pending, since = [], now
+      if save:
         pj.checkpoint.save(args.ckpt_dir, state, step=done)
         saved = done
   finally:
@@ -385,12 +389,12 @@ def main(argv=None) -> dict:
     if metrics:
       metrics.close()
 
-  tokens_per_s = tokens_per_step * len(times) / sum(times) if times else None
+  steps_timed = sum(n for n, _ in windows)
+  tokens_per_s = tokens_per_step * steps_timed / sum(t for _, t in windows) if windows else None
   if tokens_per_s is not None:
-    print(f"mean throughput (after the first step): {tokens_per_s:,.0f} tok/s")
+    print(f"mean throughput (after the first {args.log_every} steps): {tokens_per_s:,.0f} tok/s")
   return {"losses": losses, "tokens_per_s": tokens_per_s, "step": step,
           "state": state}
-
 
 if __name__ == "__main__":
   try:

@@ -164,9 +164,8 @@ class ParamLayout:
     self.params = model.params
     # Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
     # once per step: one target per dtype (the commonest), in slots of their own.
-    # In pipelines too: with the rolled loop and its command buffers, casting once is
-    # faster and compiles faster than casting in every task (268M 1F1B on 2 x H200:
-    # 48.8 vs 50.0 ms, 27 vs 32 s).
+    # In pipelines too: with the rolled loop and its command buffers, casting once a
+    # step is faster and compiles faster than casting in every task.
     if self.n_pp > 1 and self.zero < 3 and not options.cast_in_pipelines:
       casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}

@@ -17,8 +17,7 @@ class LoweringOptions:
       (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
       schedule or the number of microbatches; `roll` and gradient buckets do not apply.
       Not yet for expert parallelism on GPUs: the experts' all-to-alls sit inside the
-      loop's switch, which then runs from the host (the 1B MoE, PP2 x EP2 on 4 x H100:
-      5x slower than per tick).
+      loop's switch, which then runs from the host, several times slower than per tick.
     overlap_exchange: the tick loop sends what an iteration made during the next
       iteration, beside its task, instead of after the task that made it, so that
       ranks do not wait on each other's exchange; a value reaches another rank one
@@ -45,9 +44,8 @@ class LoweringOptions:
       on the first stage) is stored spread evenly over all devices, parameters and
       optimizer state, and laid out per rank only inside the step: each device holds
       an even share of the state instead of the largest rank's, at the cost of
-      moving that slot's parameters and gradients once per step (on the 1.34B GPT,
-      PP4 on 4 x H100: 9% more step time for 0.4 GiB less peak memory; worth it
-      where the optimizer state of a lopsided stage is what does not fit).
+      moving that slot's parameters and gradients once per step; worth it where the
+      optimizer state of a lopsided stage is what does not fit.
     slot_bytes: a region's leaves of one dtype fill slots of at most this many bytes,
       each its own buffer, so that one slot's update can run while another's gradients
       are still being reduced.

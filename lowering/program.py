@@ -76,10 +76,8 @@ class _State:
 # stream, and launches the branch's kernels one by one; at a microbatch of 2 sequences
 # many take a few microseconds. Each tick's conditional sits alone between two
 # collective-permutes (which do not go into graphs), so the smallest graph must be one
-# command, or XLA leaves the conditional on the host. On 2 x H200, 268M 1F1B (one run):
-# 63.6 ms with these kinds but XLA's minimum size (the conditionals stayed on the host),
-# 60.2 with the minimum at 1; the host's call returned after 30 instead of 63 ms. jit DP
-# has no conditionals.
+# command, or XLA leaves the conditional on the host (and the host, not the GPU, sets
+# the step's pace). jit DP has no conditionals.
 PIPELINE_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
                             "CONDITIONAL,WHILE")
 PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS,
@@ -607,9 +605,8 @@ class Program:
     """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments, built
     in `dtype` if given (a reduction's dtype: the cast fuses into the copy of each leaf).
     `materialize`: each raveled leaf is computed on its own (an optimization barrier)
-    instead of fused into the segment's concatenate, whose GPU emitter ran a fused
-    bias-gradient reduction with one thread per column: 0.78 ms a block on the
-    1.34B GPT, a fifth of a 4-GPU ZeRO-3 step)."""
+    instead of fused into the segment's concatenate, whose GPU emitter can run a fused
+    bias-gradient reduction with one thread per column, slow enough to matter per step)."""
     keys = self._segment_keys(grads)
     return self._switch([functools.partial(self._assemble_rank, r, keys=keys, dtype=dtype,
                                            materialize=materialize)
