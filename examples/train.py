@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--memory-gib", type=float, default=None,
                  help="auto: memory per device the strategy must fit (default: the "
                       "device's, or 16 GiB on CPU)")
+  p.add_argument("--calibrate", metavar="CACHE.json", default=None,
+                 help="auto: time each region on the first device (kept in this file for "
+                      "the next run) and rank by those times instead of FLOP counts")
   p.add_argument("--microbatches", type=int, default=4,
                  help="microbatches per step (pp-* strategies)")
   p.add_argument("--dp", type=int, default=1,
@@ -135,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_strategy(args, n_devices: int):
   """Returns (directives, number of devices used, number of model stages); for
   `--strategy auto`, no directives yet (`search_strategy` chooses them)."""
+  if args.calibrate and args.strategy != "auto":
+    raise UsageError("--calibrate times regions for --strategy auto's ranking; add "
+                     "--strategy auto or drop --calibrate")
   if args.strategy == "auto":
     if args.ep or args.dp != 1 or args.zero != 0:
       raise UsageError("--strategy auto chooses data parallelism and ZeRO itself and does "
@@ -207,10 +213,16 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
   """`--strategy auto`: searches, prints the table; returns (directives, devices to use)."""
   memory = (args.memory_gib * 2 ** 30 if args.memory_gib is not None
             else device_memory_bytes(devices[0]))
+  costs = None
+  if args.calibrate:  # measured region times on this device instead of FLOP counts
+    rows = max(1, args.batch // len(devices))
+    times = pj.calibrate(loss_fn, params, batch, rows, device=devices[0],
+                         remat=bool(args.remat), cache=args.calibrate)
+    costs = pj.strategies.CostModel(region_times=times)
   try:
     result = pj.strategies.search(loss_fn, optimizer, params, batch, len(devices), memory,
                                   remat=args.remat, reduce_dtype=args.reduce_dtype,
-                                  bucket_mb=args.bucket_mb or None)
+                                  bucket_mb=args.bucket_mb or None, costs=costs)
   except ValueError as e:
     raise UsageError(f"--strategy auto: {e}") from e
   print(f"strategy search over {len(devices)} device(s), {memory / 2 ** 30:.3g} GiB each: "

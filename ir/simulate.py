@@ -48,9 +48,11 @@ def simulate(plan, costs: Mapping[str, float]) -> SimReport:
     plan: a `Plan`.
     costs: time per pass, e.g. `{"F": 1, "B": 2}` or `{"F": 1, "BI": 1, "BW": 1}`,
       optionally `"comm"`: the latency of a message between ranks (default 0).
-      A missing "B" is BI + BW; a missing "BI"/"BW" is half of "B". Or "flops":
-      each task costs its region's matmul FLOPs from the jaxpr (B twice F), in
-      units of the largest region's forward.
+      A missing "B" is BI + BW; a missing "BI"/"BW" is half of "B". Per region, keys
+      (region index, pass) instead, e.g. `{(0, "F"): 1.2, (0, "B"): 2.5, ...}` for
+      every region (measured times: `pj.calibrate`). Or "flops": each task costs its
+      region's matmul FLOPs from the jaxpr (B twice F), in units of the largest
+      region's forward.
 
   Returns:
     A `SimReport`.
@@ -60,6 +62,8 @@ def simulate(plan, costs: Mapping[str, float]) -> SimReport:
       raise ValueError(f"costs is a dict of per-pass times or 'flops', got {costs!r}")
     return _simulate(plan, _flop_costs(plan), 0.0)
   costs = dict(costs)
+  if any(isinstance(k, tuple) for k in costs):
+    return _simulate(plan, _region_costs(plan, costs), float(costs.get("comm", 0.0)))
   if "F" not in costs:
     raise ValueError(f"costs need an 'F' entry, got {costs}")
   if "B" not in costs:
@@ -70,6 +74,21 @@ def simulate(plan, costs: Mapping[str, float]) -> SimReport:
   costs.setdefault("BW", costs["B"] / 2)
   comm = float(costs.get("comm", 0.0))
   return _simulate(plan, {i: float(costs[t.pass_.value]) for i, t in plan.tasks.items()}, comm)
+
+
+def _region_costs(plan, costs: dict) -> dict[str, float]:
+  """Task costs from {(region, pass): time}: B from BI + BW when missing, BI and BW half
+  of B when missing."""
+  def cost(region: int, pass_: str) -> float:
+    if (region, pass_) in costs:
+      return float(costs[(region, pass_)])
+    if pass_ == "B" and (region, "BI") in costs and (region, "BW") in costs:
+      return float(costs[(region, "BI")]) + float(costs[(region, "BW")])
+    if pass_ in ("BI", "BW") and (region, "B") in costs:
+      return float(costs[(region, "B")]) / 2
+    raise ValueError(f"costs have no {pass_!r} time for region {region} (nor what it is "
+                     f"made of); give (region, pass) times for every region the plan runs")
+  return {i: cost(t.region, t.pass_.value) for i, t in plan.tasks.items()}
 
 
 def _flop_costs(plan) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from piper_jax import checkpoint, distributed, schedules, strategies, viz
 from piper_jax.annotate import annotate
+from piper_jax.calibrate import RegionTimes, calibrate
 from piper_jax.compile import TrainState, TrainStep, compile, plan
 from piper_jax.ir.directives import (Directive, Order, Place, Replicate, Shard, ShardTensor, Split,
                                      dump_directives, load_directives, order, place, replicate,
@@ -13,6 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "annotate",
+    "calibrate",
+    "RegionTimes",
     "compile",
     "plan",
     "LoweringOptions",

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import optax
 
+from piper_jax.calibrate import RegionTimes
 from piper_jax.ir.directives import Directive, Order, order, place, replicate, split
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
@@ -48,11 +49,15 @@ class CostModel:
     tick_overhead_s: fixed time per tick of the plan (each tick is one step of the
       lowered loop: a launch and a round of messages), which makes many small
       microbatches cost something.
+    region_times: measured seconds of each region's F and B (`pj.calibrate`), scaled
+      to each candidate's microbatch rows; when given, tasks cost these instead of
+      their FLOPs at `flops_per_s`.
   """
 
   flops_per_s: float = 400e12
   link_bytes_per_s: float = 100e9
   tick_overhead_s: float = 20e-6
+  region_times: RegionTimes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,10 +362,14 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
   spec, mesh = model.spec, plan.mesh
   rows = model.batch_size // (mesh.n_data * plan.n_microbatches)  # rows of one microbatch
   scale = rows / model.batch_size  # the trace holds the whole batch; costs scale with rows
-  report = plan.simulate("flops")
-  top = max([r.flops for r in spec.regions] + [0.0])
-  unit = top * scale / costs.flops_per_s  # seconds per simulated unit (largest region's F)
-  compute = report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
+  if costs.region_times is not None:  # measured seconds per task
+    report = plan.simulate(costs.region_times.costs(rows))
+    compute = report.tick_makespan + costs.tick_overhead_s * len(plan.ticks)
+  else:
+    report = plan.simulate("flops")
+    top = max([r.flops for r in spec.regions] + [0.0])
+    unit = top * scale / costs.flops_per_s  # seconds per simulated unit (largest region's F)
+    compute = report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
   n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
   f = (n - 1) / n
   act = model.act_bytes[remat]
@@ -455,7 +464,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   their memory and all-to-all traffic are not modelled yet.
 
   Step time (`CostModel`): the plan's tick-by-tick simulated makespan with each task
-  costing its regions' matmul FLOPs from the jaxpr (B twice F) at `flops_per_s`, plus
+  costing its regions' matmul FLOPs from the jaxpr (B twice F) at `flops_per_s` (or
+  their measured times, `CostModel.region_times` from `pj.calibrate`), plus
   `tick_overhead_s` per tick, plus communication at
   `link_bytes_per_s` with no overlap: data-parallel reductions and gathers by ZeRO stage
   and pipeline activations and their cotangents. Elementwise work, attention's

@@ -50,6 +50,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     (["--strategy", "pp-1f1b", "--stages", "4", "--dp", "4"], 8, "needs 16 devices"),
     (["--strategy", "pp-dualpipev", "--stages", "3"], 8, "even --stages"),
     (["--strategy", "dp", "--batch", "12"], 8, "divisible by the 8 devices"),
+    (["--strategy", "dp", "--calibrate", "t.json"], 8, "add --strategy auto"),
 ])
 def test_usage_errors(argv, n_devices, match):
   with pytest.raises(train.UsageError, match=match):

@@ -1,0 +1,153 @@
+"""`calibrate`: each region's forward and backward timed on one device, for the
+simulator and `strategies.search` (measured task costs instead of FLOP counts).
+
+A region's F is what a pipeline task runs (its traced vjp, keeping its residuals); its B
+takes F's residuals and the output cotangents to the parameter and input gradients.
+Both are compiled alone with `jax.jit` at one microbatch's rows and timed; times scale
+linearly to other microbatch sizes (`RegionTimes.costs`). A JSON file (`cache`) keeps
+them per device kind, rows and region program, so a machine measures a model once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from piper_jax.lowering.local import RegionRunner
+from piper_jax.lowering.regions import (analyze_region, full_residuals, region_backward,
+                                        region_forward, split_backward)
+from piper_jax.lowering.trace import trace_loss
+
+__all__ = ["RegionTimes", "calibrate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionTimes:
+  """Seconds of each region's F and B at `rows` rows of a microbatch on one device.
+
+  Attributes:
+    device_kind: the device they were measured on.
+    rows: the microbatch rows they were measured at.
+    forward, backward: region index -> seconds of its F and of its B.
+  """
+
+  device_kind: str
+  rows: int
+  forward: Mapping[int, float]
+  backward: Mapping[int, float]
+
+  def costs(self, rows: int, comm: float = 0.0) -> dict:
+    """`Plan.simulate` costs at `rows` rows per microbatch: {(region, pass): seconds},
+    scaled linearly from the measured rows, and "comm" (a message's latency)."""
+    scale = rows / self.rows
+    out: dict = {"comm": comm}
+    for r, t in self.forward.items():
+      out[(r, "F")] = t * scale
+    for r, t in self.backward.items():
+      out[(r, "B")] = t * scale
+    return out
+
+
+def _rows_of(batch: Any, rows: int) -> Any:
+  """The batch's first `rows` rows, as shapes."""
+  def cut(x):
+    shape = tuple(np.shape(x))
+    if not shape or shape[0] < rows:
+      raise ValueError(f"calibrate: every batch leaf needs >= {rows} rows on its leading "
+                       f"axis, got shape {shape}; pass a smaller `rows` or a larger batch")
+    return jax.ShapeDtypeStruct((rows,) + shape[1:], jnp.result_type(x))
+  return jax.tree_util.tree_map(cut, batch)
+
+
+def _filled(avals, key, device) -> list:
+  """Arrays of `avals` on `device`: small random floats, zeros otherwise."""
+  out = []
+  for i, a in enumerate(avals):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      x = 0.02 * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.float32)
+      out.append(jax.device_put(x.astype(a.dtype), device))
+    else:
+      out.append(jax.device_put(jnp.zeros(a.shape, a.dtype), device))
+  return out
+
+
+def _seconds(fn: Callable, args: tuple, repeats: int) -> float:
+  """Median wall time of `fn(*args)` after one compiling call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
+              device: Any = None, remat: bool = False, repeats: int = 5,
+              cache: str | os.PathLike | None = None) -> RegionTimes:
+  """Times every region's F and B of `loss_fn` at `rows` rows on one device.
+
+  Args:
+    loss_fn, params, example_batch: as `pj.compile` takes them (shapes are enough);
+      the batch's leading axis has at least `rows` rows.
+    rows: rows of one microbatch per device (e.g. the global batch over data-parallel
+      replicas and microbatches).
+    device: where to time (default: the first device).
+    remat: time F and B as `pj.compile(remat=...)` runs them (pipelines use True).
+    repeats: timed calls per pass (the median counts).
+    cache: a JSON file of earlier measurements: regions found there (same device kind,
+      rows, remat and program) are not timed again; new ones are added.
+
+  Returns:
+    `RegionTimes`; `RegionTimes.costs(rows)` goes to `plan.simulate`, and
+    `CostModel(region_times=...)` to `strategies.search`.
+  """
+  if not isinstance(rows, int) or rows < 1:
+    raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+  device = device or jax.devices()[0]
+  traced = trace_loss(loss_fn, params, _rows_of(example_batch, rows))
+  runner = RegionRunner(traced)
+  known = json.load(open(cache)) if cache and os.path.exists(cache) else {}
+  forward, backward = {}, {}
+  key = jax.random.PRNGKey(0)
+  for spec in traced.spec.regions:
+    r = spec.index
+    ad = analyze_region(runner, r, remat)
+    name = hashlib.sha256(repr((device.device_kind, rows, remat, str(ad.jaxpr))).encode()).hexdigest()
+    if name in known:
+      forward[r], backward[r] = known[name]
+      continue
+    p_avals, b_avals, a_avals = runner.avals(r)
+    outs = runner.out_avals(r)
+    ct_avals = [outs[k] for k in ad.float_outs]
+    split = split_backward(ad, ct_avals)
+    inputs = tuple(_filled(avals, jax.random.fold_in(key, n), device)
+                   for n, avals in enumerate((p_avals, b_avals, a_avals, ct_avals)))
+
+    def fwd(p, b, a):
+      return region_forward(ad, p, b, a)
+
+    def fwd_bwd(p, b, a, cts):
+      out, stored = region_forward(ad, p, b, a)
+      return region_backward(split, full_residuals(ad, stored, p, b, a, out), cts)
+
+    f = _seconds(jax.jit(fwd), inputs[:3], repeats)
+    fb = _seconds(jax.jit(fwd_bwd), inputs, repeats)
+    # B is what F + B adds to F; a floor keeps a region whose B fuses away positive.
+    forward[r], backward[r] = f, max(fb - f, 0.1 * f)
+    known[name] = [forward[r], backward[r]]
+  if cache:
+    with open(cache, "w") as fh:
+      json.dump(known, fh, indent=1)
+  return RegionTimes(device.device_kind, rows, forward, backward)
