@@ -3,6 +3,7 @@
   python benchmarks/plan_time.py                 # the default cases, 1F1B and interleaved
   python benchmarks/plan_time.py --schedules 1f1b --cases 16x64x128
   python benchmarks/plan_time.py --traced        # also pj.plan of the GPT example (traces it)
+  python benchmarks/plan_time.py --search 1024 --regions 4,36   # pj.strategies.search, Qwen3-8B shape
 
 A case is PPxDPxMB: pipeline ranks, data-parallel replicas per rank, microbatches.
 The default times `ir.make_plan` of a GPT-like `ModelSpec` built here (embedding and
@@ -104,6 +105,23 @@ def time_traced_plan(case: Case, schedule: str) -> float:
   return time.perf_counter() - t0
 
 
+def time_search(n_devices: int, n_regions: int, batch: int = 1024) -> tuple[float, object]:
+  """Seconds of `pj.strategies.search` over `n_devices` for the Qwen3-8B shape (seq 4096)
+  annotated as `n_regions` PP regions, and its result; shapes only."""
+  import jax
+  import optax
+
+  from examples import qwen3
+  config = qwen3.get_config("qwen3-8b", n_stages=n_regions)
+  net = qwen3.make_model(config)
+  params = jax.eval_shape(lambda: qwen3.init_params(net, jax.random.PRNGKey(0)))
+  example = jax.eval_shape(lambda: qwen3.random_batch(config, jax.random.PRNGKey(1), batch))
+  t0 = time.perf_counter()
+  result = pj.strategies.search(qwen3.loss_fn(net), optax.adamw(1e-4), params, example,
+                                n_devices, memory_per_device=2**50)
+  return time.perf_counter() - t0, result
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
@@ -111,7 +129,16 @@ def main() -> None:
   parser.add_argument("--schedules", default=",".join(SCHEDULES))
   parser.add_argument("--traced", action="store_true",
                       help="also time pj.plan of the GPT example, tracing included")
+  parser.add_argument("--search", type=int, default=0, metavar="N_DEVICES",
+                      help="time pj.strategies.search over this many devices instead")
+  parser.add_argument("--regions", default="4,36", help="--search: PP regions of the model")
   args = parser.parse_args()
+  if args.search:
+    print("PP regions | search (s) | candidates | best")
+    for n in (int(x) for x in args.regions.split(",")):
+      seconds, result = time_search(args.search, n)
+      print(f"{n} | {seconds:.1f} | {len(result.candidates)} | {result.best.name}", flush=True)
+    return
   cases = [Case.parse(c) for c in args.cases.split(",")]
   schedules = args.schedules.split(",")
   columns = [(s, "make_plan") for s in schedules]
