@@ -25,8 +25,8 @@ from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import analyze_region
 from piper_jax.lowering.trace import trace_loss
 
-__all__ = ["CostModel", "MemoryEstimate", "Candidate", "Rejected", "SearchResult", "search",
-           "PIPELINE_SCHEDULES"]
+__all__ = ["CostModel", "MemoryEstimate", "Estimate", "Candidate", "Rejected", "SearchResult",
+           "search", "estimate", "PIPELINE_SCHEDULES"]
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 # "dp" is data parallelism alone (no pipeline); the others are pipeline schedules.
@@ -72,6 +72,19 @@ class MemoryEstimate:
   @property
   def total(self) -> int:
     return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """What one strategy is estimated to cost (`estimate`): seconds per step, its compute
+  (with bubbles) and communication parts, the simulated bubble, and peak bytes per device."""
+
+  step_time: float
+  compute_time: float
+  comm_time: float
+  bubble_fraction: float
+  memory: MemoryEstimate
+  plan: Plan = dataclasses.field(repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,6 +447,26 @@ def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) 
 
 
 # -- the search --------------------------------------------------------------------
+
+def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
+             example_batch: Any, directives: Sequence[Directive], n_devices: int, *,
+             costs: CostModel | None = None, remat: bool | None = None) -> Estimate:
+  """The step time and peak memory per device `search` would estimate for `directives`
+  (see `search` for what they count), without devices.
+
+  Raises:
+    ValueError: for directives that shard experts or tensors (`shard`, `shard_tensor`),
+      whose memory and all-to-all traffic are not modelled yet, or that do not plan.
+  """
+  if any(type(d).__name__ in ("Shard", "ShardTensor") for d in directives):
+    raise ValueError("estimate does not model shard / shard_tensor yet (expert and tensor "
+                     "parallel memory and traffic); estimate the strategy without them")
+  model = _measure(loss_fn, optimizer, params, example_batch, (False, True))
+  plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
+  use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
+  step, compute, comm, bubble, mem = _estimate(model, plan, costs or CostModel(), use_remat)
+  return Estimate(step, compute, comm, bubble, mem, plan)
+
 
 def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
            example_batch: Any, n_devices: int, memory_per_device: float, *,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from piper_jax import schedules
 from piper_jax.ir.directives import Directive, place, replicate, split
 
-__all__ = ["data_parallel", "pipeline", "search", "SearchResult", "Candidate", "CostModel"]
+__all__ = ["data_parallel", "pipeline", "search", "estimate", "SearchResult", "Candidate",
+           "CostModel", "Estimate"]
 
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 
@@ -76,4 +77,5 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
 
 
 # The planner that chooses among these strategies (it builds them with the functions above).
-from piper_jax.search import Candidate, CostModel, SearchResult, search  # noqa: E402
+from piper_jax.search import (Candidate, CostModel, Estimate, SearchResult, estimate,  # noqa: E402
+                              search)

@@ -122,3 +122,24 @@ def test_train_script_auto(capsys):
   assert "| strategy | microbatches | simulated step | bubble | peak memory |" in printed
   assert "chosen: " in printed and " pp2 " in printed.split("chosen: ")[1].splitlines()[0]
   assert out["step"].plan.mesh.n_pp == 2 and np.isfinite(out["losses"]).all()
+
+
+@pytest.mark.timeout(60)
+def test_estimate_divides_state_by_zero_stage():
+  # One strategy's estimate: ZeRO-1 halves the optimizer state of 2 replicas, ZeRO-3 also
+  # the parameters and gradients (plus the gathered weights of one region); sharded
+  # experts or tensors are refused, not estimated wrong.
+  loss, params, batch = _gpt(2)
+  tx = optax.adamw(1e-3)
+  est = {z: pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(2, zero=z), 2)
+         for z in (0, 1, 3)}
+  m0, m1, m3 = (est[z].memory for z in (0, 1, 3))
+  assert m1.optimizer == pytest.approx(m0.optimizer / 2, rel=1e-6) and m1.params == m0.params
+  assert m3.grads == pytest.approx(m0.grads / 2, rel=1e-6)
+  assert m0.params / 2 < m3.params <= m0.params / 2 + m0.params  # its shard + one gathered region
+  assert m0.activations == m1.activations > 0 and est[0].step_time > 0
+  pipe = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
+  assert pipe.bubble_fraction > 0 and pipe.memory.params < m0.params
+  with pytest.raises(ValueError, match="does not model shard"):
+    pj.strategies.estimate(loss, tx, params, batch,
+                           pj.strategies.data_parallel(2) + [pj.shard({"PP": 0}, [0, 1])], 2)

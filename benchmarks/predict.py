@@ -1,0 +1,86 @@
+"""The planner's estimates beside the measurements of run.py's raw JSON.
+
+  python benchmarks/predict.py raw/h200x2_1.3b_dp_zero.json raw/h200x2_1.3b_pp2_shmap_accum.json
+
+For each piper-jax row of a file (dense models; sharded experts are not estimated),
+`pj.strategies.estimate` of the same directives on the row's devices, from shapes:
+peak memory per device against the measured `peak_gib`, and the step time against the
+measured one, with matmuls at the FLOP/s the same call's `jit-dp` row achieved and
+links at `--link-gbps`. Run on a CPU, the trace uses XLA's attention, which keeps the
+T x T probabilities that cuDNN's fused attention on the GPU does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import run  # noqa: E402
+
+
+def predict(path: str, link_bytes_per_s: float) -> list[dict]:
+  import jax
+  import optax
+
+  import piper_jax as pj
+  from examples import gpt
+  data = json.load(open(path))
+  meta, rows = data["meta"], data["rows"]
+  base = next((r for r in rows if r["variant"] == "jit-dp" and "error" not in r), None)
+  out = []
+  for r in rows:
+    variant = r["variant"]
+    if "error" in r or variant.split("+")[0].split("@")[0] in run.BASELINES or "ep" in variant:
+      continue
+    n, model = r["devices"], r["model"]
+    pp = r.get("pp", meta.get("pp", 2))
+    config, net, directives = run.build(variant, model, n, meta["microbatches"], pp)
+    key = jax.random.PRNGKey(0)
+    params = jax.eval_shape(lambda: gpt.init_params(net, key))
+    batch = jax.eval_shape(lambda: gpt.random_batch(config, key, meta["batch"]))
+    costs = pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s)
+    if base is not None and base.get("mfu"):
+      from hardware import peak_flops
+      costs = pj.strategies.CostModel(flops_per_s=base["mfu"] * peak_flops(base["device_kind"]),
+                                      link_bytes_per_s=link_bytes_per_s)
+    mods = run.split_variant(variant)[1]
+    remat = True if "remat" in mods else False if "noremat" in mods else None
+    est = pj.strategies.estimate(gpt.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
+                                 batch, directives, n, costs=costs, remat=remat)
+    m = est.memory
+    out.append({"file": os.path.basename(path), "model": model, "variant": variant,
+                "measured_gib": r.get("peak_gib"), "predicted_gib": m.total / 2**30,
+                "params_gib": m.params / 2**30, "grads_gib": m.grads / 2**30,
+                "optimizer_gib": m.optimizer / 2**30, "activations_gib": m.activations / 2**30,
+                "measured_ms": r["step_ms"],
+                "predicted_ms": est.step_time * 1e3 if base is not None else None})
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("files", nargs="+", help="raw JSON files of run.py")
+  ap.add_argument("--link-gbps", type=float, default=300.0,
+                  help="bytes per second one GPU sends, in GB/s (NVLink hosts: ~300)")
+  args = ap.parse_args(argv)
+  run._setup_cpu(True)
+  print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
+        "activations) | step ms measured | predicted |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for path in args.files:
+    for p in predict(path, args.link_gbps * 1e9):
+      parts = ", ".join(f"{p[k]:.2f}" for k in ("params_gib", "grads_gib", "optimizer_gib",
+                                                "activations_gib"))
+      pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
+      measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"
+      print(f"| {p['model']} | {p['variant']} | {measured} | {p['predicted_gib']:.2f} ({parts}) "
+            f"| {p['measured_ms']:.1f} | {pred_ms} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
