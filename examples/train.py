@@ -142,9 +142,9 @@ def build_strategy(args, n_devices: int):
     raise UsageError("--calibrate times regions for --strategy auto's ranking; add "
                      "--strategy auto or drop --calibrate")
   if args.strategy == "auto":
-    if args.ep or args.dp != 1 or args.zero != 0:
-      raise UsageError("--strategy auto chooses data parallelism and ZeRO itself and does "
-                       "not search expert parallelism; drop --dp, --zero and --ep")
+    if args.dp != 1 or args.zero != 0:
+      raise UsageError("--strategy auto chooses data parallelism and ZeRO itself; drop --dp "
+                       "and --zero (--ep keeps only candidates with the experts split)")
     if args.stages < 1:
       raise UsageError(f"--stages {args.stages} must be positive")
     return None, n_devices, args.stages
@@ -222,7 +222,8 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
   try:
     result = pj.strategies.search(loss_fn, optimizer, params, batch, len(devices), memory,
                                   remat=args.remat, reduce_dtype=args.reduce_dtype,
-                                  bucket_mb=args.bucket_mb or None, costs=costs)
+                                  bucket_mb=args.bucket_mb or None, costs=costs,
+                                  expert_parallel=True if args.ep else None)
   except ValueError as e:
     raise UsageError(f"--strategy auto: {e}") from e
   print(f"strategy search over {len(devices)} device(s), {memory / 2 ** 30:.3g} GiB each: "

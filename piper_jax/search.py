@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from piper_jax.calibrate import RegionTimes
-from piper_jax.ir.directives import Directive, Order, order, place, replicate, split
+from piper_jax.ir.directives import Directive, Order, order, place, replicate, shard, split
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering.local import RegionRunner
@@ -189,6 +189,8 @@ class _Model:
   pp_flops: Mapping[int, float]     # PP index -> forward FLOPs of its regions
   act_bytes: Mapping[bool, Mapping[int, int]]  # remat -> region -> bytes kept from F for B
   opt_ratio: float                  # optimizer-state bytes per parameter byte
+  ep_regions: frozenset[int] = frozenset()  # regions annotated "EP" (experts)
+  n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
 
 
 def _measure(loss_fn, optimizer, params, example_batch, remats: Sequence[bool]) -> _Model:
@@ -212,7 +214,11 @@ def _measure(loss_fn, optimizer, params, example_batch, remats: Sequence[bool]) 
   opt = jax.eval_shape(optimizer.init, params)
   o_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                 for x in jax.tree_util.tree_leaves(opt) if hasattr(x, "shape"))
-  return _Model(spec, spec.batch_size, pp, pp_flops, act_bytes, o_bytes / max(p_bytes, 1))
+  ep_regions = frozenset(r.index for r in spec.regions if "EP" in dict(r.tags))
+  n_experts = math.gcd(*[spec.params[p].shape[0] for r in ep_regions
+                         for p in spec.regions[r].params if spec.params[p].shape])
+  return _Model(spec, spec.batch_size, pp, pp_flops, act_bytes, o_bytes / max(p_bytes, 1),
+                ep_regions, n_experts)
 
 
 # -- candidate directives ---------------------------------------------------------
@@ -228,11 +234,13 @@ class _Layout:
   n_microbatches: int
   stages: tuple[tuple[int, ...], ...]
   n_virtual: int = 1
+  ep: bool = False  # experts split over each stage's data-parallel devices
 
   @property
   def name(self) -> str:
+    ep = f" ep{self.dp}" if self.ep else ""
     if self.schedule == "dp":
-      return f"dp{self.dp} zero{self.zero}"
+      return f"dp{self.dp} zero{self.zero}{ep}"
     pp = f"pp{self.n_ranks}"
     if self.n_virtual > 1:
       pp += f" v{self.n_virtual}"
@@ -240,10 +248,17 @@ class _Layout:
       pp += " [" + " | ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else f"{s[0]}"
                               for s in self.stages) + "]"
     dp = f" x dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
-    return f"{self.schedule} {pp}{dp}"
+    return f"{self.schedule} {pp}{dp}{ep}"
 
 
 def _directives(lay: _Layout, reduce_dtype: str | None, bucket_mb: float | None) -> list[Directive]:
+  out = _placement(lay, reduce_dtype, bucket_mb)
+  if lay.ep:  # each expert region's experts split over its stage's data-parallel devices
+    out.append(shard({"EP": "*"}, list(range(lay.n_ranks * lay.dp))))
+  return out
+
+
+def _placement(lay: _Layout, reduce_dtype: str | None, bucket_mb: float | None) -> list[Directive]:
   if lay.schedule == "dp":
     out = [replicate({}, list(range(lay.dp)), zero=lay.zero,
                      bucket_mb=bucket_mb if lay.zero == 0 else None, reduce_dtype=reduce_dtype)]
@@ -323,7 +338,8 @@ def _microbatch_counts(per_replica: int, low: int, given: Sequence[int] | None,
 
 def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stages: Sequence[int],
              microbatches: Sequence[int] | None, virtual_stages: Sequence[int],
-             group_regions: bool, max_microbatches: int | None) -> list[_Layout]:
+             group_regions: bool, max_microbatches: int | None,
+             expert_parallel: bool | None = None) -> list[_Layout]:
   batch = model.batch_size
   out: list[_Layout] = []
   zeros = lambda dp: sorted(set(zero_stages)) if dp > 1 else [0]
@@ -365,7 +381,13 @@ def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stage
           continue
         for zero in zeros(dp):
           out.append(_Layout(schedule, n_ranks, dp, zero, m, stages, v if v > 1 else 1))
-  return out
+  if not model.ep_regions or expert_parallel is False:
+    return out
+  # Expert parallel: the experts of each EP region split over its stage's data-parallel
+  # devices, where they divide evenly.
+  ep = [dataclasses.replace(lay, ep=True) for lay in out
+        if lay.dp > 1 and model.n_experts % lay.dp == 0]
+  return ep if expert_parallel else out + ep
 
 
 # -- estimates ---------------------------------------------------------------------
@@ -389,17 +411,24 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
   peak = MemoryEstimate(0, 0, 0, 0)
   comm = 0.0
   pipelined = mesh.n_pp > 1
+  ep = mesh.size("ep") if "ep" in mesh.axis_names else 1
   for rank in range(mesh.n_pp):
     regions = plan.rank_regions(rank)
-    leaves = sorted({p for r in regions for p in spec.regions[r].params})
+    experts = {p for r in regions if r in model.ep_regions and ep > 1
+               for p in spec.regions[r].params}
+    leaves = sorted({p for r in regions for p in spec.regions[r].params} - experts)
     p_bytes = sum(spec.params[p].nbytes for p in leaves)
-    region_p = [sum(spec.params[p].nbytes for p in spec.regions[r].params) for r in regions]
+    # Split experts: each device holds 1/ep of their weights, gradients and optimizer
+    # state (no data-parallel copies for ZeRO to divide).
+    e_bytes = sum(spec.params[p].nbytes for p in experts) / ep
+    region_p = [sum(spec.params[p].nbytes for p in spec.regions[r].params if p not in experts)
+                for r in regions]
     # ZeRO-3 keeps a pipeline stage's weights gathered between its microbatches; without
     # a pipeline it gathers one region at a time.
     gathered = (p_bytes if pipelined else max(region_p, default=0)) if zero >= 3 else 0
-    params = int(p_bytes / (n if zero >= 3 else 1)) + gathered
-    grads = int(p_bytes / (n if zero >= 2 else 1))
-    opt = int(p_bytes * model.opt_ratio / (n if zero >= 1 else 1))
+    params = int(p_bytes / (n if zero >= 3 else 1) + e_bytes) + gathered
+    grads = int(p_bytes / (n if zero >= 2 else 1) + e_bytes)
+    opt = int((p_bytes / (n if zero >= 1 else 1) + e_bytes) * model.opt_ratio)
     acts = _peak_activations(plan, report, rank, {r: int(act[r] * scale) for r in regions})
     mem = MemoryEstimate(params, grads, opt, acts)
     if mem.total > peak.total:
@@ -413,8 +442,12 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
       dp_bytes = f * p_bytes * (m + 1)
     else:
       dp_bytes = f * p_bytes * (m + (1 if pipelined else 2 * m))
+    # Expert parallel: each EP region's tokens go to their experts' devices and back,
+    # in F and again in B, every microbatch.
+    sent = sum(4 * (ep - 1) / ep * x.spec.nbytes * scale * m
+               for r in regions if r in model.ep_regions and ep > 1
+               for x in spec.regions[r].inputs)
     # Pipeline traffic: each activation crossing ranks goes forward, its cotangent back.
-    sent = 0
     for r in spec.regions:
       for x in r.inputs:
         a, b = mesh.region_rank[x.region], mesh.region_rank[r.index]
@@ -455,12 +488,12 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
   (see `search` for what they count), without devices.
 
   Raises:
-    ValueError: for directives that shard experts or tensors (`shard`, `shard_tensor`),
-      whose memory and all-to-all traffic are not modelled yet, or that do not plan.
+    ValueError: for directives that split tensors (`shard_tensor`), whose memory and
+      traffic are not modelled yet, or that do not plan.
   """
-  if any(type(d).__name__ in ("Shard", "ShardTensor") for d in directives):
-    raise ValueError("estimate does not model shard / shard_tensor yet (expert and tensor "
-                     "parallel memory and traffic); estimate the strategy without them")
+  if any(type(d).__name__ == "ShardTensor" for d in directives):
+    raise ValueError("estimate does not model shard_tensor yet (tensor-parallel memory and "
+                     "traffic); estimate the strategy without it")
   model = _measure(loss_fn, optimizer, params, example_batch, (False, True))
   plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
   use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
@@ -475,7 +508,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
            costs: CostModel | None = None, virtual_stages: Sequence[int] = (2,),
            group_regions: bool = True, max_microbatches: int | None = None,
            remat: bool | None = None, reduce_dtype: str | None = None,
-           bucket_mb: float | None = 25.0) -> SearchResult:
+           bucket_mb: float | None = 25.0, expert_parallel: bool | None = None) -> SearchResult:
   """Chooses a strategy: enumerates, plans, simulates and ranks those that fit.
 
   Candidates use all `n_devices`:
@@ -493,8 +526,14 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     two from the pipeline ranks (1 without a pipeline; 2 x ranks for DualPipeV) up to
     `max_microbatches` (default 8 without a pipeline, else max(8, 4 x ranks)).
 
-  Expert (`pj.shard`) and tensor (`pj.shard_tensor`) parallelism are not searched:
-  their memory and all-to-all traffic are not modelled yet.
+  * expert parallel, for a model with `pj.annotate("EP")` regions: each candidate also
+    with every EP region's experts split over its stage's data-parallel devices
+    (`pj.shard({"EP": "*"}, ...)`, where the experts divide evenly); their weights,
+    gradients and optimizer state count 1/EP per device, and each EP region's tokens
+    cross the links four times a microbatch (to the experts and back, in F and in B).
+
+  Tensor parallelism (`pj.shard_tensor`) is not searched: its memory and traffic are
+  not modelled yet.
 
   Step time (`CostModel`): the plan's tick-by-tick simulated makespan with each task
   costing its regions' matmul FLOPs from the jaxpr (B twice F) at `flops_per_s` (or
@@ -530,6 +569,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     max_microbatches: the largest default microbatch count (see above).
     remat: as `pj.compile(remat=...)` will run (None: on for pipelines only).
     reduce_dtype, bucket_mb: passed to every `replicate` (see `strategies.data_parallel`).
+    expert_parallel: None: candidates with and without split experts (a model with EP
+      regions); True: only split; False: never.
 
   Returns:
     A `SearchResult`; `best.directives` go to `pj.compile` with the first
@@ -566,7 +607,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
         f"more, and every region inside one); annotate the model's stages with "
         f"pj.annotate('PP') or add 'dp' to schedules")
   layouts = _layouts(model, n_devices, schedules, zero_stages, microbatches, virtual_stages,
-                     group_regions, max_microbatches)
+                     group_regions, max_microbatches, expert_parallel)
   if not layouts:
     raise ValueError(
         f"no strategy of {list(schedules)} fits {n_devices} device(s) and a batch of "

@@ -113,7 +113,7 @@ def test_bad_input_says_what_to_change():
 @pytest.mark.timeout(60)
 def test_train_script_auto(capsys):
   from examples import train
-  with pytest.raises(train.UsageError, match="drop --dp, --zero and --ep"):
+  with pytest.raises(train.UsageError, match="drop --dp and --zero"):
     train.build_strategy(train.parse_args(["--strategy", "auto", "--dp", "2"]), 8)
   # A bound that only pipelines meet: the script prints the table and trains the best.
   out = train.main(["--strategy", "auto", "--stages", "2", "--steps", "2", "--batch", "16",
@@ -140,6 +140,36 @@ def test_estimate_divides_state_by_zero_stage():
   assert m0.activations == m1.activations > 0 and est[0].step_time > 0
   pipe = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
   assert pipe.bubble_fraction > 0 and pipe.memory.params < m0.params
-  with pytest.raises(ValueError, match="does not model shard"):
+  with pytest.raises(ValueError, match="does not model shard_tensor"):
     pj.strategies.estimate(loss, tx, params, batch,
-                           pj.strategies.data_parallel(2) + [pj.shard({"PP": 0}, [0, 1])], 2)
+                           pj.strategies.data_parallel(2) + [pj.shard_tensor({"PP": 0}, [0, 1])], 2)
+
+
+@pytest.mark.timeout(90)
+def test_experts_split_over_the_data_parallel_devices():
+  # A MoE model: the search adds candidates with the experts split ("ep"), whose expert
+  # weights count once over the group; the chosen one trains as one device does.
+  from examples import moe
+  config = moe.get_config("tiny", n_stages=2, n_layers=4, n_experts=8)
+  net = moe.MoEGPT(config)
+  params = gpt.init_params(net, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 16)
+  loss, tx = gpt.loss_fn(net), optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, schedules=("dp", "1f1b"),
+                                zero_stages=(1,), microbatches=(2,), top=100)
+  by = {c.name: c for c in result.candidates}
+  split, whole = by["1f1b pp2 x dp4 zero1 ep4"], by["1f1b pp2 x dp4 zero1"]
+  # Split experts are not all-reduced over the replicas: less data-parallel traffic than
+  # their all-to-alls add, on this model.
+  assert split.memory.params < whole.memory.params and 0 < split.comm_time < whole.comm_time
+  assert any(c.name == "dp8 zero1 ep8" for c in result.candidates)
+  only = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, schedules=("1f1b",),
+                              zero_stages=(1,), microbatches=(2,), expert_parallel=True)
+  assert all(c.name.endswith(" ep4") for c in only.candidates)
+  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
+  step = pj.compile(loss, tx, split.directives, params, batch)
+  state, got = step(step.init(params), batch)
+  np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+      step.params(state), ref_params)
