@@ -1,6 +1,6 @@
 """The planner's estimates beside the measurements of run.py's raw JSON.
 
-  python benchmarks/predict.py raw/h200x2_1.3b_dp_zero.json raw/h200x2_1.3b_pp2_shmap_accum.json
+  python benchmarks/predict.py benchmarks/raw/2026-11-27_h200x2_1.3b_dp_zero.json
 
 For each piper-jax row of a file (dense models; sharded experts are not estimated),
 `pj.strategies.estimate` of the same directives on the row's devices, from shapes:
