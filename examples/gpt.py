@@ -1,7 +1,7 @@
 """A small GPT in Flax linen, used by the examples, tests and benchmarks.
 
 The transformer blocks are divided into `n_stages` contiguous groups (equal, or
-`stage_layers` blocks each), each run inside ``annotate("PP")``, so the compiler
+`stage_layers` blocks each), each run inside ``pj.annotate("PP")``, so the compiler
 sees one pipeline region per group (PP=0, PP=1, ...). The embedding and the head
 are not annotated: the compiler joins them to the first and the last region;
 `balanced_stage_layers` gives the last stage fewer blocks to make up for the head.
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from piper_jax.annotate import annotate
+import piper_jax as pj
 
 __all__ = [
     "GPT",
@@ -241,7 +241,7 @@ class GPT(nn.Module):
     x = embed(tokens) + pos_embed(jnp.arange(tokens.shape[1]))[None]
 
     for first, end in cfg.stage_bounds:
-      with annotate("PP"):
+      with pj.annotate("PP"):
         for i in range(first, end):
           x = self.block_cls(cfg, name=f"block_{i}")(x)
 

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from piper_jax.annotate import annotate
+import piper_jax as pj
 
 try:
   from examples.gpt import GPT, MLP, Block, GPTConfig, _dense_init
@@ -83,7 +83,7 @@ class Experts(nn.Module):
     w_in = self.param("w_in", _dense_init(0.02), (e, d, f), cfg.param_dtype)
     w_out = self.param("w_out", _dense_init(0.02 / math.sqrt(2 * cfg.n_layers)), (e, f, d),
                        cfg.param_dtype)
-    with annotate("EP"):
+    with pj.annotate("EP"):
       h = nn.gelu(jnp.einsum("ecd,edf->ecf", x, w_in.astype(cfg.dtype)))
       return jnp.einsum("ecf,efd->ecd", h, w_out.astype(cfg.dtype))
 
@@ -128,8 +128,8 @@ class MoEBlock(Block):
 class MoEGPT(GPT):
   """Decoder-only MoE transformer: tokens [B, T] -> logits [B, T, vocab].
 
-  Blocks are grouped into `n_stages` ``annotate("PP")`` regions as in `GPT`;
-  each block's experts are an ``annotate("EP")`` region inside its stage.
+  Blocks are grouped into `n_stages` ``pj.annotate("PP")`` regions as in `GPT`;
+  each block's experts are a ``pj.annotate("EP")`` region inside its stage.
   """
 
   config: MoEConfig

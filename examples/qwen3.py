@@ -16,7 +16,7 @@ load-balancing loss (`router_aux_coef` times n_experts * sum_e f_e * P_e, below)
 
 piper-jax annotations, as in `examples/gpt.py`:
 
-* pipeline: the blocks are grouped into `n_stages` ``annotate("PP")`` regions (equal,
+* pipeline: the blocks are grouped into `n_stages` ``pj.annotate("PP")`` regions (equal,
   or `stage_layers` blocks each). The embedding is not annotated and joins the first
   region; the final norm, head and loss join the last. Parameter names do not depend
   on `n_stages` (``block_0`` ... at the top level).
@@ -26,7 +26,7 @@ piper-jax annotations, as in `examples/gpt.py`:
   Query heads h*G .. h*G+G-1 use key/value head h, so halving both head lists keeps
   every group on one device (`n_kv_heads` must be divisible by the TP degree).
 * expert parallel, `examples/moe.py`'s contract: the expert computation, and only
-  it, runs inside ``annotate("EP")`` on tokens already dispatched to
+  it, runs inside ``pj.annotate("EP")`` on tokens already dispatched to
   [experts, capacity, d_model], with weights that have a leading expert axis. Router,
   dispatch and combine stay in the block's PP region.
 
@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from piper_jax.annotate import annotate
+import piper_jax as pj
 
 try:
   from examples.gpt import (_dense, _dense_init, attention_implementation, check_stages,
@@ -308,7 +308,7 @@ class Experts(nn.Module):
     w = lambda name, shape: self.param(name, _dense_init(INIT_STD), shape,
                                        cfg.param_dtype).astype(cfg.dtype)
     w_gate, w_up, w_down = w("w_gate", (e, d, f)), w("w_up", (e, d, f)), w("w_down", (e, f, d))
-    with annotate("EP"):
+    with pj.annotate("EP"):
       h = nn.silu(jnp.einsum("ecd,edf->ecf", x, w_gate)) * jnp.einsum("ecd,edf->ecf", x, w_up)
       return jnp.einsum("ecf,efd->ecd", h, w_down)
 
@@ -386,7 +386,7 @@ class Qwen3(nn.Module):
     # docstring); None when no block has one.
     aux = None
     for first, end in cfg.stage_bounds:
-      with annotate("PP"):
+      with pj.annotate("PP"):
         for i in range(first, end):
           x, a = self.block_cls(cfg, name=f"block_{i}")(x)
           if a is not None:

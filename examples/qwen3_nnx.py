@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from piper_jax.annotate import annotate
+import piper_jax as pj
 
 try:
   from examples.qwen3 import (INIT_STD, Qwen3Config, apply_rope, attention_implementation,
@@ -123,7 +123,7 @@ class Qwen3(nnx.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = self.embed(tokens)
     for first, end in self.cfg.stage_bounds:
-      with annotate("PP"):
+      with pj.annotate("PP"):
         for i in range(first, end):
           x = self.blocks[i](x)
     x = self.final_norm(x)
