@@ -1,6 +1,7 @@
 """Draws the tables of benchmarks/RESULTS.md as one picture.
 
   python benchmarks/plot.py                      # RESULTS.md -> benchmarks/results.png
+  python benchmarks/plot.py --machine "2 x H200" --out benchmarks/results_2xh200.png
 
 One panel per machine and model: each table row as a bar, its tokens/s over the
 baseline of the same call (the table's "vs baseline": jit DP, GSPMD FSDP for ZeRO-3,
@@ -99,8 +100,10 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
   ap.add_argument("--out", default=os.path.join(HERE, "results.png"))
+  ap.add_argument("--machine", default=None, help='only the tables of this machine ("2 x H200")')
   args = ap.parse_args(argv)
-  found = bars(args.results)
+  found = [b for b in bars(args.results)
+           if args.machine is None or b.panel.startswith(args.machine + ",")]
   draw(found, args.out)
   print(f"{args.out}: {len(found)} rows")
 
