@@ -386,7 +386,7 @@ def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stage
   # Expert parallel: the experts of each EP region split over its stage's data-parallel
   # devices, where they divide evenly.
   ep = [dataclasses.replace(lay, ep=True) for lay in out
-        if lay.dp > 1 and model.n_experts % lay.dp == 0]
+        if lay.dp > 1 and model.n_experts and model.n_experts % lay.dp == 0]
   return ep if expert_parallel else out + ep
 
 
