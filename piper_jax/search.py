@@ -18,7 +18,8 @@ import numpy as np
 import optax
 
 from piper_jax.calibrate import RegionTimes
-from piper_jax.ir.directives import Directive, Order, order, place, replicate, shard, split
+from piper_jax.ir.directives import (Directive, Order, order, place, replicate, shard,
+                                     shard_tensor, split)
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering.local import RegionRunner
@@ -191,6 +192,7 @@ class _Model:
   opt_ratio: float                  # optimizer-state bytes per parameter byte
   ep_regions: frozenset[int] = frozenset()  # regions annotated "EP" (experts)
   n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
+  tp_size: int = 0                  # gcd of the dimensions named "tp" (0: none)
 
 
 def _measure(loss_fn, optimizer, params, example_batch, remats: Sequence[bool]) -> _Model:
@@ -217,8 +219,10 @@ def _measure(loss_fn, optimizer, params, example_batch, remats: Sequence[bool]) 
   ep_regions = frozenset(r.index for r in spec.regions if "EP" in dict(r.tags))
   n_experts = math.gcd(*[spec.params[p].shape[0] for r in ep_regions
                          for p in spec.regions[r].params if spec.params[p].shape])
+  tp_size = math.gcd(*[s.shape[d] for s in spec.params if s.names
+                       for d, name in enumerate(s.names) if name == "tp"])
   return _Model(spec, spec.batch_size, pp, pp_flops, act_bytes, o_bytes / max(p_bytes, 1),
-                ep_regions, n_experts)
+                ep_regions, n_experts, tp_size)
 
 
 # -- candidate directives ---------------------------------------------------------
@@ -235,10 +239,11 @@ class _Layout:
   stages: tuple[tuple[int, ...], ...]
   n_virtual: int = 1
   ep: bool = False  # experts split over each stage's data-parallel devices
+  tp: int = 1       # tensor-parallel group size within each stage's devices
 
   @property
   def name(self) -> str:
-    ep = f" ep{self.dp}" if self.ep else ""
+    ep = (f" ep{self.dp}" if self.ep else "") + (f" tp{self.tp}" if self.tp > 1 else "")
     if self.schedule == "dp":
       return f"dp{self.dp} zero{self.zero}{ep}"
     pp = f"pp{self.n_ranks}"
@@ -255,6 +260,9 @@ def _directives(lay: _Layout, reduce_dtype: str | None, bucket_mb: float | None)
   out = _placement(lay, reduce_dtype, bucket_mb)
   if lay.ep:  # each expert region's experts split over its stage's data-parallel devices
     out.append(shard({"EP": "*"}, list(range(lay.n_ranks * lay.dp))))
+  if lay.tp > 1:  # the first `tp` devices of each rank: one group, the others repeat it
+    out.append(shard_tensor({}, [r * lay.n_ranks + k for k in range(lay.n_ranks)
+                                 for r in range(lay.tp)]))
   return out
 
 
@@ -339,7 +347,8 @@ def _microbatch_counts(per_replica: int, low: int, given: Sequence[int] | None,
 def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stages: Sequence[int],
              microbatches: Sequence[int] | None, virtual_stages: Sequence[int],
              group_regions: bool, max_microbatches: int | None,
-             expert_parallel: bool | None = None) -> list[_Layout]:
+             expert_parallel: bool | None = None,
+             tensor_parallel: bool | None = None) -> list[_Layout]:
   batch = model.batch_size
   out: list[_Layout] = []
   zeros = lambda dp: sorted(set(zero_stages)) if dp > 1 else [0]
@@ -381,13 +390,19 @@ def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stage
           continue
         for zero in zeros(dp):
           out.append(_Layout(schedule, n_ranks, dp, zero, m, stages, v if v > 1 else 1))
-  if not model.ep_regions or expert_parallel is False:
-    return out
-  # Expert parallel: the experts of each EP region split over its stage's data-parallel
-  # devices, where they divide evenly.
-  ep = [dataclasses.replace(lay, ep=True) for lay in out
-        if lay.dp > 1 and model.n_experts and model.n_experts % lay.dp == 0]
-  return ep if expert_parallel else out + ep
+  if model.ep_regions and expert_parallel is not False:
+    # Expert parallel: the experts of each EP region split over its stage's
+    # data-parallel devices, where they divide evenly.
+    ep = [dataclasses.replace(lay, ep=True) for lay in out
+          if lay.dp > 1 and model.n_experts and model.n_experts % lay.dp == 0]
+    out = ep if expert_parallel else out + ep
+  if model.tp_size and tensor_parallel is not False:
+    # Tensor parallel: groups of 2, 4, ... of each stage's devices split the weights
+    # named "tp" (where those dimensions divide), sharing their batch rows.
+    tp = [dataclasses.replace(lay, tp=t) for lay in out if not lay.ep
+          for t in (2, 4, 8) if lay.dp % t == 0 and model.tp_size % t == 0]
+    out = tp if tensor_parallel else out + tp
+  return out
 
 
 # -- estimates ---------------------------------------------------------------------
@@ -411,24 +426,27 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
   peak = MemoryEstimate(0, 0, 0, 0)
   comm = 0.0
   pipelined = mesh.n_pp > 1
-  ep = mesh.size("ep") if "ep" in mesh.axis_names else 1
+  ep, tp = mesh.size("ep"), mesh.size("tp")
+  tokens = _tokens(spec) * scale  # tokens of one microbatch on one device's rows
   for rank in range(mesh.n_pp):
     regions = plan.rank_regions(rank)
-    experts = {p for r in regions if r in model.ep_regions and ep > 1
-               for p in spec.regions[r].params}
-    leaves = sorted({p for r in regions for p in spec.regions[r].params} - experts)
+    # Leaves split over an expert or tensor group: each device holds 1/group of them,
+    # and ZeRO divides that piece over the group's copies (n / group devices).
+    group = {p: mesh.size(mesh.sharded[r]) for r in regions if r in mesh.sharded
+             for p in mesh.split_dims.get(r, {})}
+    leaves = sorted({p for r in regions for p in spec.regions[r].params} - set(group))
     p_bytes = sum(spec.params[p].nbytes for p in leaves)
-    # Split experts: each device holds 1/ep of their weights, gradients and optimizer
-    # state (no data-parallel copies for ZeRO to divide).
-    e_bytes = sum(spec.params[p].nbytes for p in experts) / ep
-    region_p = [sum(spec.params[p].nbytes for p in spec.regions[r].params if p not in experts)
+    pieces = [(spec.params[p].nbytes / g, n // g) for p, g in group.items()]
+    by_zero = lambda stage: sum(b / (c if zero >= stage else 1) for b, c in pieces)
+    region_p = [sum(spec.params[p].nbytes for p in spec.regions[r].params if p not in group)
                 for r in regions]
     # ZeRO-3 keeps a pipeline stage's weights gathered between its microbatches; without
     # a pipeline it gathers one region at a time.
     gathered = (p_bytes if pipelined else max(region_p, default=0)) if zero >= 3 else 0
-    params = int(p_bytes / (n if zero >= 3 else 1) + e_bytes) + gathered
-    grads = int(p_bytes / (n if zero >= 2 else 1) + e_bytes)
-    opt = int((p_bytes / (n if zero >= 1 else 1) + e_bytes) * model.opt_ratio)
+    params = int(p_bytes / (n if zero >= 3 else 1) + by_zero(3)) + gathered
+    grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))
+    opt = int((p_bytes / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
+    p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
     acts = _peak_activations(plan, report, rank, {r: int(act[r] * scale) for r in regions})
     mem = MemoryEstimate(params, grads, opt, acts)
     if mem.total > peak.total:
@@ -445,8 +463,14 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
     # Expert parallel: each EP region's tokens go to their experts' devices and back,
     # in F and again in B, every microbatch.
     sent = sum(4 * (ep - 1) / ep * x.spec.nbytes * scale * m
-               for r in regions if r in model.ep_regions and ep > 1
+               for r in regions if mesh.sharded.get(r) == "ep"
                for x in spec.regions[r].inputs)
+    # Tensor parallel: each row-parallel weight (split on the dimension it contracts)
+    # has its output all-reduced over the group in F, and its input's cotangent in B.
+    sent += sum(2 * 2 * (tp - 1) / tp * tokens * spec.params[p].shape[-1] * _act_itemsize(spec)
+                * m for r in regions if mesh.sharded.get(r) == "tp"
+                for p, d in mesh.split_dims.get(r, {}).items()
+                if d == 0 and len(spec.params[p].shape) == 2)
     # Pipeline traffic: each activation crossing ranks goes forward, its cotangent back.
     for r in spec.regions:
       for x in r.inputs:
@@ -455,6 +479,17 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
           sent += x.spec.nbytes * scale * m
     comm = max(comm, (dp_bytes + sent) / costs.link_bytes_per_s)
   return compute + comm, compute, comm, report.bubble_fraction, peak
+
+
+def _tokens(spec) -> int:
+  """Tokens of the traced batch: the elements of its first batch leaf (rows x sequence)."""
+  return math.prod(spec.batch[0].shape) if spec.batch else spec.batch_size
+
+
+def _act_itemsize(spec) -> int:
+  """Bytes per element of the activations between regions (4 when there are none)."""
+  acts = [x.spec for r in spec.regions for x in r.inputs]
+  return np.dtype(acts[0].dtype).itemsize if acts else 4
 
 
 def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) -> int:
@@ -488,12 +523,8 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
   (see `search` for what they count), without devices.
 
   Raises:
-    ValueError: for directives that split tensors (`shard_tensor`), whose memory and
-      traffic are not modelled yet, or that do not plan.
+    ValueError: for directives that do not plan.
   """
-  if any(type(d).__name__ == "ShardTensor" for d in directives):
-    raise ValueError("estimate does not model shard_tensor yet (tensor-parallel memory and "
-                     "traffic); estimate the strategy without it")
   model = _measure(loss_fn, optimizer, params, example_batch, (False, True))
   plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
   use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
@@ -508,7 +539,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
            costs: CostModel | None = None, virtual_stages: Sequence[int] = (2,),
            group_regions: bool = True, max_microbatches: int | None = None,
            remat: bool | None = None, reduce_dtype: str | None = None,
-           bucket_mb: float | None = 25.0, expert_parallel: bool | None = None) -> SearchResult:
+           bucket_mb: float | None = 25.0, expert_parallel: bool | None = None,
+           tensor_parallel: bool | None = None) -> SearchResult:
   """Chooses a strategy: enumerates, plans, simulates and ranks those that fit.
 
   Candidates use all `n_devices`:
@@ -532,8 +564,11 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     gradients and optimizer state count 1/EP per device, and each EP region's tokens
     cross the links four times a microbatch (to the experts and back, in F and in B).
 
-  Tensor parallelism (`pj.shard_tensor`) is not searched: its memory and traffic are
-  not modelled yet.
+  * tensor parallel, for a model whose weights carry Flax partitioning names "tp": each
+    candidate without split experts also with groups of 2, 4 or 8 of each stage's
+    devices splitting those weights (`pj.shard_tensor`; the group shares its batch
+    rows); the split weights count 1/TP per device, and each row-parallel weight's
+    output (F) and input cotangent (B) are all-reduced over the group.
 
   Step time (`CostModel`): the plan's tick-by-tick simulated makespan with each task
   costing its regions' matmul FLOPs from the jaxpr (B twice F) at `flops_per_s` (or
@@ -571,6 +606,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     reduce_dtype, bucket_mb: passed to every `replicate` (see `strategies.data_parallel`).
     expert_parallel: None: candidates with and without split experts (a model with EP
       regions); True: only split; False: never.
+    tensor_parallel: the same for tensor-parallel groups (a model with "tp" names).
 
   Returns:
     A `SearchResult`; `best.directives` go to `pj.compile` with the first
@@ -607,7 +643,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
         f"more, and every region inside one); annotate the model's stages with "
         f"pj.annotate('PP') or add 'dp' to schedules")
   layouts = _layouts(model, n_devices, schedules, zero_stages, microbatches, virtual_stages,
-                     group_regions, max_microbatches, expert_parallel)
+                     group_regions, max_microbatches, expert_parallel, tensor_parallel)
   if not layouts:
     raise ValueError(
         f"no strategy of {list(schedules)} fits {n_devices} device(s) and a batch of "

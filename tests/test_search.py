@@ -127,8 +127,7 @@ def test_train_script_auto(capsys):
 @pytest.mark.timeout(60)
 def test_estimate_divides_state_by_zero_stage():
   # One strategy's estimate: ZeRO-1 halves the optimizer state of 2 replicas, ZeRO-3 also
-  # the parameters and gradients (plus the gathered weights of one region); sharded
-  # experts or tensors are refused, not estimated wrong.
+  # the parameters and gradients (plus the gathered weights of one region).
   loss, params, batch = _gpt(2)
   tx = optax.adamw(1e-3)
   est = {z: pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(2, zero=z), 2)
@@ -140,9 +139,6 @@ def test_estimate_divides_state_by_zero_stage():
   assert m0.activations == m1.activations > 0 and est[0].step_time > 0
   pipe = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
   assert pipe.bubble_fraction > 0 and pipe.memory.params < m0.params
-  with pytest.raises(ValueError, match="does not model shard_tensor"):
-    pj.strategies.estimate(loss, tx, params, batch,
-                           pj.strategies.data_parallel(2) + [pj.shard_tensor({"PP": 0}, [0, 1])], 2)
 
 
 @pytest.mark.timeout(90)
@@ -173,3 +169,32 @@ def test_experts_split_over_the_data_parallel_devices():
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
       step.params(state), ref_params)
+
+
+@pytest.mark.timeout(90)
+def test_tensor_parallel_groups_split_the_named_weights():
+  # A GPT with Megatron partitioning names: candidates with TP groups hold half of every
+  # split weight; a chosen TP x DP candidate trains as one device does (plain SGD).
+  config = gpt.get_config("tiny", n_stages=2, tp_axis="tp")
+  net = gpt.GPT(config)
+  params = gpt.init_params(net, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 16)
+  loss, tx = gpt.loss_fn(net), optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 4, 1 << 40, schedules=("dp", "1f1b"),
+                                zero_stages=(1,), microbatches=(2,), top=100)
+  by = {c.name: c for c in result.candidates}
+  split, whole = by["dp4 zero1 tp2"], by["dp4 zero1"]
+  assert split.memory.params < whole.memory.params and "1f1b pp2 x dp2 zero1 tp2" in by
+  only = pj.strategies.search(loss, tx, params, batch, 4, 1 << 40, schedules=("dp",),
+                              zero_stages=(1,), microbatches=(2,), tensor_parallel=True)
+  assert all(" tp" in c.name for c in only.candidates)
+  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
+  pipe = by["1f1b pp2 x dp2 zero1 tp2"]
+  for cand in (split, pipe):
+    step = pj.compile(loss, tx, cand.directives, params, batch, devices=jax.devices()[:4])
+    state, got = step(step.init(params), batch)
+    np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                                atol=1e-6),
+        step.params(state), ref_params)
