@@ -2,7 +2,8 @@
 simulator and `strategies.search` (measured task costs instead of FLOP counts).
 
 A region's F is what a pipeline task runs (its traced vjp, keeping its residuals); its B
-takes F's residuals and the output cotangents to the parameter and input gradients.
+takes F's residuals and the output cotangents to the parameter and input gradients, and
+its BI to the input cotangents alone (BW is the rest of B).
 Both are compiled alone with `jax.jit` at one microbatch's rows and timed; times scale
 linearly to other microbatch sizes (`RegionTimes.costs`). A JSON file (`cache`) keeps
 them per device kind, rows and region program, so a machine measures a model once.
@@ -23,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from piper_jax.lowering.local import RegionRunner
-from piper_jax.lowering.regions import (analyze_region, full_residuals, region_backward,
-                                        region_forward, split_backward)
+from piper_jax.lowering.regions import (analyze_region, backward_input, full_residuals,
+                                        region_backward, region_forward, split_backward)
 from piper_jax.lowering.trace import trace_loss
 
 __all__ = ["RegionTimes", "calibrate"]
@@ -38,12 +39,15 @@ class RegionTimes:
     device_kind: the device they were measured on.
     rows: the microbatch rows they were measured at.
     forward, backward: region index -> seconds of its F and of its B.
+    backward_input: region index -> seconds of its BI (the input cotangents alone, as
+      zero-bubble schedules run it); its BW is the rest of B. Empty: half of B each.
   """
 
   device_kind: str
   rows: int
   forward: Mapping[int, float]
   backward: Mapping[int, float]
+  backward_input: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
   def costs(self, rows: int, comm: float = 0.0) -> dict:
     """`Plan.simulate` costs at `rows` rows per microbatch: {(region, pass): seconds},
@@ -54,6 +58,9 @@ class RegionTimes:
       out[(r, "F")] = t * scale
     for r, t in self.backward.items():
       out[(r, "B")] = t * scale
+      if r in self.backward_input:
+        bi = min(self.backward_input[r], t)
+        out[(r, "BI")], out[(r, "BW")] = bi * scale, (t - bi) * scale
     return out
 
 
@@ -119,14 +126,14 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
   traced = trace_loss(loss_fn, params, _rows_of(example_batch, rows))
   runner = RegionRunner(traced)
   known = json.load(open(cache)) if cache and os.path.exists(cache) else {}
-  forward, backward = {}, {}
+  forward, backward, inputs_only = {}, {}, {}
   key = jax.random.PRNGKey(0)
   for spec in traced.spec.regions:
     r = spec.index
     ad = analyze_region(runner, r, remat)
     name = hashlib.sha256(repr((device.device_kind, rows, remat, str(ad.jaxpr))).encode()).hexdigest()
     if name in known:
-      forward[r], backward[r] = known[name]
+      forward[r], backward[r], inputs_only[r] = known[name]
       continue
     p_avals, b_avals, a_avals = runner.avals(r)
     outs = runner.out_avals(r)
@@ -142,12 +149,19 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
       out, stored = region_forward(ad, p, b, a)
       return region_backward(split, full_residuals(ad, stored, p, b, a, out), cts)
 
+    def fwd_bi(p, b, a, cts):
+      out, stored = region_forward(ad, p, b, a)
+      return backward_input(split, full_residuals(ad, stored, p, b, a, out), cts)
+
     f = _seconds(jax.jit(fwd), inputs[:3], repeats)
     fb = _seconds(jax.jit(fwd_bwd), inputs, repeats)
-    # B is what F + B adds to F; a floor keeps a region whose B fuses away positive.
+    fbi = _seconds(jax.jit(fwd_bi), inputs, repeats)
+    # B is what F + B adds to F, BI what F + BI adds; a floor keeps a region whose
+    # backward fuses away positive.
     forward[r], backward[r] = f, max(fb - f, 0.1 * f)
-    known[name] = [forward[r], backward[r]]
+    inputs_only[r] = min(max(fbi - f, 0.05 * f), backward[r])
+    known[name] = [forward[r], backward[r], inputs_only[r]]
   if cache:
     with open(cache, "w") as fh:
       json.dump(known, fh, indent=1)
-  return RegionTimes(device.device_kind, rows, forward, backward)
+  return RegionTimes(device.device_kind, rows, forward, backward, inputs_only)

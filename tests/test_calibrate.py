@@ -31,6 +31,10 @@ def test_every_region_is_timed_and_the_cache_is_reused(tmp_path, monkeypatch):
   assert sorted(times.forward) == sorted(times.backward) == list(range(n_regions))
   assert all(t > 0 for t in [*times.forward.values(), *times.backward.values()])
   assert times.rows == 2 and times.costs(4)[(0, "F")] == pytest.approx(2 * times.forward[0])
+  costs = times.costs(2)  # zero-bubble schedules run BI and BW apart: they add up to B
+  assert all(0 < costs[(r, "BI")] <= costs[(r, "B")] and
+             costs[(r, "BI")] + costs[(r, "BW")] == pytest.approx(costs[(r, "B")])
+             for r in range(n_regions))
   # A second call finds every region in the cache and times nothing.
   cal = sys.modules["piper_jax.calibrate"]  # the module (pj.calibrate is its function)
   monkeypatch.setattr(cal, "_seconds", lambda *a: pytest.fail("timed a cached region"))
