@@ -127,10 +127,20 @@ class Program:
     remat = bool(options.remat)
     wide = options.wide_weight_grads and plan.n_microbatches > 1
     backward = {t.region for t in plan.tasks.values() if t.pass_ in (Pass.B, Pass.BI)}
+    # The full key reads every equation: only regions that agree on a cheap outline
+    # (equation count and input and output shapes) compute it.
+    outline = lambda r: (len(runner.traced.regions[r].eqns),
+                         tuple(tuple((tuple(a.shape), str(a.dtype)) for a in avals)
+                               for avals in runner.avals(r)),
+                         tuple((tuple(a.shape), str(a.dtype)) for a in runner.out_avals(r)))
+    outlines: dict[tuple, list[int]] = {}
+    for spec in self.model.regions:
+      outlines.setdefault(outline(spec.index), []).append(spec.index)
+    alone = {rs[0] for rs in outlines.values() if len(rs) == 1}
     first: dict[tuple, int] = {}  # region key -> the first region traced with it
     for spec in self.model.regions:
       r = spec.index
-      src = first.setdefault(region_key(runner, r, remat), r)
+      src = r if r in alone else first.setdefault(region_key(runner, r, remat), r)
       if src != r and (r in backward) == (src in backward):
         found = relabel(runner, src, r, self.ad[src], self.split.get(src))
         if found is not None:
