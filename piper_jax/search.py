@@ -88,9 +88,11 @@ class Estimate:
   plan: Plan = dataclasses.field(repr=False, compare=False)
 
 
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-  """A strategy that fits, with its estimates.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate(Estimate):
+  """A strategy that fits, with its estimates (`Estimate`'s fields: step_time,
+  compute_time, comm_time, bubble_fraction, memory and the plan simulated, from the one
+  trace at the example batch's size).
 
   Attributes:
     name: e.g. "1f1b pp2 x dp4 zero1" or "dp8 zero3".
@@ -99,11 +101,6 @@ class Candidate:
     n_ranks, dp, zero: pipeline ranks, data-parallel replicas per rank, ZeRO stage.
     stages: per pipeline stage, the PP region indices it holds (empty without a pipeline).
     n_microbatches: microbatches per step.
-    step_time: estimated seconds per step (`CostModel`).
-    compute_time, comm_time: its simulated compute (with bubbles) and communication parts.
-    bubble_fraction: simulated idle fraction of the pipeline ranks.
-    memory: estimated peak bytes per device, by kind; `peak_memory` is its total.
-    plan: the plan simulated (from the one trace at the example batch's size).
   """
 
   name: str
@@ -114,12 +111,6 @@ class Candidate:
   zero: int
   stages: tuple[tuple[int, ...], ...]
   n_microbatches: int
-  step_time: float
-  compute_time: float
-  comm_time: float
-  bubble_fraction: float
-  memory: MemoryEstimate
-  plan: Plan = dataclasses.field(repr=False, compare=False)
 
   @property
   def peak_memory(self) -> int:
@@ -665,8 +656,10 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
                                f"needs {format_bytes(mem.total)} of "
                                f"{format_bytes(memory_per_device)}", mem.total))
       continue
-    fits.append(Candidate(lay.name, directives, lay.schedule, lay.n_ranks, lay.dp, lay.zero,
-                          lay.stages, lay.n_microbatches, step, compute, comm, bubble, mem, plan))
+    fits.append(Candidate(step, compute, comm, bubble, mem, plan, name=lay.name,
+                          directives=directives, schedule=lay.schedule, n_ranks=lay.n_ranks,
+                          dp=lay.dp, zero=lay.zero, stages=lay.stages,
+                          n_microbatches=lay.n_microbatches))
   if not fits:
     needs = [r for r in rejected if r.peak_memory is not None]
     smallest = min(needs, key=lambda r: r.peak_memory, default=None)

@@ -14,12 +14,28 @@ from piper_jax.search import format_bytes
 MIB = 1 << 20
 
 
-def _gpt(n_stages, batch_size=16):
-  config = gpt.get_config("tiny", n_stages=n_stages)
-  net = gpt.GPT(config)
+def _setup(net, batch_size=16):
+  """(loss, params, batch) of an example model built from its config."""
   params = gpt.init_params(net, jax.random.PRNGKey(0))
-  batch = gpt.random_batch(config, jax.random.PRNGKey(1), batch_size)
+  batch = gpt.random_batch(net.config, jax.random.PRNGKey(1), batch_size)
   return gpt.loss_fn(net), params, batch
+
+
+def _gpt(n_stages, batch_size=16):
+  return _setup(gpt.GPT(gpt.get_config("tiny", n_stages=n_stages)), batch_size)
+
+
+def _one_step_like_one_device(loss, tx, params, batch, directives, n_devices=None):
+  """One step of `directives` gives plain jax.value_and_grad + optax's loss and parameters."""
+  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
+  devices = jax.devices()[:n_devices] if n_devices else None
+  step = pj.compile(loss, tx, directives, params, batch, devices=devices)
+  state, got = step(step.init(params), batch)
+  np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                              atol=1e-6),
+      step.params(state), ref_params)
 
 
 @pytest.mark.timeout(60)
@@ -64,16 +80,8 @@ def test_best_trains_like_one_device():
   result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, top=100)
   grouped = next(c for c in result.candidates if c.schedule == "1f1b" and c.n_ranks == 2
                  and c.stages == ((0, 1), (2, 3)))
-  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
   for cand in (result.best, grouped):
-    n = cand.n_ranks * cand.dp
-    step = pj.compile(loss, tx, cand.directives, params, batch, devices=jax.devices()[:n])
-    state, got = step(step.init(params), batch)
-    np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
-    jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
-                                                atol=1e-6),
-        step.params(state), ref_params)
+    _one_step_like_one_device(loss, tx, params, batch, cand.directives, cand.n_ranks * cand.dp)
 
 
 @pytest.mark.timeout(30)
@@ -146,11 +154,9 @@ def test_experts_split_over_the_data_parallel_devices():
   # A MoE model: the search adds candidates with the experts split ("ep"), whose expert
   # weights count once over the group; the chosen one trains as one device does.
   from examples import moe
-  config = moe.get_config("tiny", n_stages=2, n_layers=4, n_experts=8)
-  net = moe.MoEGPT(config)
-  params = gpt.init_params(net, jax.random.PRNGKey(0))
-  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 16)
-  loss, tx = gpt.loss_fn(net), optax.sgd(0.1)
+  loss, params, batch = _setup(moe.MoEGPT(moe.get_config("tiny", n_stages=2, n_layers=4,
+                                                        n_experts=8)))
+  tx = optax.sgd(0.1)
   result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, schedules=("dp", "1f1b"),
                                 zero_stages=(1,), microbatches=(2,), top=100)
   by = {c.name: c for c in result.candidates}
@@ -162,24 +168,15 @@ def test_experts_split_over_the_data_parallel_devices():
   only = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, schedules=("1f1b",),
                               zero_stages=(1,), microbatches=(2,), expert_parallel=True)
   assert all(c.name.endswith(" ep4") for c in only.candidates)
-  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
-  step = pj.compile(loss, tx, split.directives, params, batch)
-  state, got = step(step.init(params), batch)
-  np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
-      step.params(state), ref_params)
+  _one_step_like_one_device(loss, tx, params, batch, split.directives)
 
 
 @pytest.mark.timeout(90)
 def test_tensor_parallel_groups_split_the_named_weights():
   # A GPT with Megatron partitioning names: candidates with TP groups hold half of every
   # split weight; a chosen TP x DP candidate trains as one device does (plain SGD).
-  config = gpt.get_config("tiny", n_stages=2, tp_axis="tp")
-  net = gpt.GPT(config)
-  params = gpt.init_params(net, jax.random.PRNGKey(0))
-  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 16)
-  loss, tx = gpt.loss_fn(net), optax.sgd(0.1)
+  loss, params, batch = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2, tp_axis="tp")))
+  tx = optax.sgd(0.1)
   result = pj.strategies.search(loss, tx, params, batch, 4, 1 << 40, schedules=("dp", "1f1b"),
                                 zero_stages=(1,), microbatches=(2,), top=100)
   by = {c.name: c for c in result.candidates}
@@ -188,13 +185,5 @@ def test_tensor_parallel_groups_split_the_named_weights():
   only = pj.strategies.search(loss, tx, params, batch, 4, 1 << 40, schedules=("dp",),
                               zero_stages=(1,), microbatches=(2,), tensor_parallel=True)
   assert all(" tp" in c.name for c in only.candidates)
-  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
-  pipe = by["1f1b pp2 x dp2 zero1 tp2"]
-  for cand in (split, pipe):
-    step = pj.compile(loss, tx, cand.directives, params, batch, devices=jax.devices()[:4])
-    state, got = step(step.init(params), batch)
-    np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
-    jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
-                                                atol=1e-6),
-        step.params(state), ref_params)
+  for cand in (split, by["1f1b pp2 x dp2 zero1 tp2"]):
+    _one_step_like_one_device(loss, tx, params, batch, cand.directives, 4)
