@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--memory-gib", type=float, default=None,
                  help="auto: memory per device the strategy must fit (default: the "
                       "device's, or 16 GiB on CPU)")
+  p.add_argument("--timelines", metavar="DIR", default=None,
+                 help="auto: draw the plans of the three fastest candidates into DIR")
   p.add_argument("--calibrate", metavar="CACHE.json", default=None,
                  help="auto: time each region on the first device (kept in this file for "
                       "the next run) and rank by those times instead of FLOP counts")
@@ -229,6 +231,8 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
   print(f"strategy search over {len(devices)} device(s), {memory / 2 ** 30:.3g} GiB each: "
         f"{len(result.candidates)} fit, {len(result.rejected)} rejected")
   print(result.table())
+  if args.timelines:
+    print("timelines of the fastest:", ", ".join(result.timelines(args.timelines)))
   best = result.best
   print(f"chosen: {best.name}, {best.n_microbatches} microbatch(es)")
   return best.directives, devices[:best.n_ranks * best.dp]

@@ -147,6 +147,19 @@ class SearchResult:
                   f"{100 * c.bubble_fraction:.1f}% | {format_bytes(c.peak_memory)} |")
     return "\n".join(rows)
 
+  def timelines(self, folder: str, top: int = 3, fmt: str = "svg") -> list[str]:
+    """Draws the plan of each of the `top` fastest candidates as a per-device timeline
+    (`Plan.timeline`, tasks sized by their FLOPs) into `folder`; returns the paths."""
+    import os
+    import re
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for k, c in enumerate(self.candidates[:top]):
+      slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{c.name} mb{c.n_microbatches}").strip("_")
+      paths.append(os.path.join(folder, f"{k + 1}_{slug}.{fmt}"))
+      c.plan.timeline(paths[-1], costs="flops")
+    return paths
+
   def __str__(self) -> str:
     return (f"{len(self.candidates)} strategies fit {format_bytes(self.memory_per_device)} per "
             f"device ({len(self.rejected)} rejected); best: {self.best.name}, "

@@ -84,6 +84,17 @@ def test_best_trains_like_one_device():
     _one_step_like_one_device(loss, tx, params, batch, cand.directives, cand.n_ranks * cand.dp)
 
 
+@pytest.mark.timeout(60)
+def test_timelines_of_the_top_candidates(tmp_path):
+  loss, params, batch = _gpt(2)
+  result = pj.strategies.search(loss, optax.sgd(0.1), params, batch, 2, 1 << 40,
+                                schedules=("1f1b", "gpipe"), microbatches=(2, 4))
+  paths = result.timelines(str(tmp_path), top=2)
+  assert len(paths) == 2 and paths[0].endswith(".svg")
+  assert all("<svg" in open(p).read() for p in paths) and paths[0] != paths[1]
+  assert result.candidates[0].name.replace(" ", "_") in paths[0]
+
+
 @pytest.mark.timeout(30)
 def test_more_microbatches_of_1f1b_rank_above_gpipe_with_2():
   # No tick overhead: FLOPs alone, where 2 microbatches on 2 ranks leave a third idle.
