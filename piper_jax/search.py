@@ -544,7 +544,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
            group_regions: bool = True, max_microbatches: int | None = None,
            remat: bool | None = None, reduce_dtype: str | None = None,
            bucket_mb: float | None = 25.0, expert_parallel: bool | None = None,
-           tensor_parallel: bool | None = None) -> SearchResult:
+           tensor_parallel: bool | None = None, headroom: float = 0.75) -> SearchResult:
   """Chooses a strategy: enumerates, plans, simulates and ranks those that fit.
 
   Candidates use all `n_devices`:
@@ -597,7 +597,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     loss_fn, optimizer, params, example_batch: as `pj.compile` takes them (shapes are
       enough); `example_batch` has the global batch size.
     n_devices: devices to plan for.
-    memory_per_device: bytes per device; candidates estimated above it are rejected.
+    memory_per_device: bytes per device; candidates estimated above `headroom` of it
+      are rejected.
     schedules: "dp" and/or pipeline schedules to try (default all).
     zero_stages: ZeRO stages to try where there are data-parallel replicas.
     microbatches: microbatch counts to try (default: powers of two, above).
@@ -611,6 +612,9 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     expert_parallel: None: candidates with and without split experts (a model with EP
       regions); True: only split; False: never.
     tensor_parallel: the same for tensor-parallel groups (a model with "tp" names).
+    headroom: the fraction of `memory_per_device` an estimate may use: what the
+      estimate leaves out (XLA's temporaries, communication buffers, bf16 weight
+      copies) measured up to a quarter of a GPU's peak (benchmarks/RESULTS.md).
 
   Returns:
     A `SearchResult`; `best.directives` go to `pj.compile` with the first
@@ -623,6 +627,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
     raise ValueError(f"n_devices must be an int >= 1, got {n_devices!r}; pass the number of "
                      f"devices to plan for")
+  if not 0 < headroom <= 1:
+    raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
   if not memory_per_device > 0:
     raise ValueError(f"memory_per_device must be > 0 bytes, got {memory_per_device!r}; pass "
                      f"each device's memory in bytes (e.g. 80 * 2**30)")
@@ -664,10 +670,12 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
       continue
     use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
     step, compute, comm, bubble, mem = _estimate(model, plan, costs, use_remat)
-    if mem.total > memory_per_device:
+    if mem.total > headroom * memory_per_device:
+      of = ("" if headroom == 1 else
+            f" ({100 * headroom:.0f}% of {format_bytes(memory_per_device)})")
       rejected.append(Rejected(lay.name, directives, lay.n_microbatches,
                                f"needs {format_bytes(mem.total)} of "
-                               f"{format_bytes(memory_per_device)}", mem.total))
+                               f"{format_bytes(headroom * memory_per_device)}{of}", mem.total))
       continue
     fits.append(Candidate(step, compute, comm, bubble, mem, plan, name=lay.name,
                           directives=directives, schedule=lay.schedule, n_ranks=lay.n_ranks,
@@ -679,7 +687,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     hint = (f"; the smallest, {smallest.name} with {smallest.n_microbatches} microbatches, "
             f"needs {format_bytes(smallest.peak_memory)}" if smallest else
             f": {rejected[0].reason}" if rejected else "")
-    raise ValueError(f"no strategy fits {format_bytes(memory_per_device)} per device on "
+    raise ValueError(f"no strategy fits {format_bytes(headroom * memory_per_device)} per "
+                     f"device ({100 * headroom:.0f}% of {format_bytes(memory_per_device)}) on "
                      f"{n_devices} device(s){hint}; give more memory or devices, more ZeRO "
                      f"stages, pipeline schedules or microbatches")
   # Equal times prefer fewer, larger microbatches (the FLOP model does not see that
