@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(600)
 def test_run_small(tmp_path):
   out = tmp_path / "small.json"
-  variants = ["jit-dp", "dp@b1", "pp-dualpipev@z1"]  # shmap-dp: test_run_small_moe
+  variants = ["jit-dp", "pp-dualpipev@z1"]  # shmap-dp: test_run_small_moe; dp@bN: below
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--pp", "4",
        "--steps", "3", "--warmup", "1", "--variants", ",".join(variants), "--out", str(out)],
@@ -106,6 +106,8 @@ def test_stage_layers_suffix():
   from benchmarks.run import build
   config, _, _ = build("pp-1f1b+L5-3", "tiny", 2, 2)
   assert config.stage_layers == (5, 3)
+  _, _, (dp,) = build("dp@b1", "tiny", 8, 1)  # DP with 1 MB gradient buckets
+  assert dp.bucket_mb == 1.0 and dp.zero == 0 and len(dp.devices) == 8
   with pytest.raises(ValueError, match="summing to 8"):
     build("pp-1f1b+L5-4", "tiny", 2, 2)
 
