@@ -36,8 +36,7 @@ def build_seconds(variant: str, model: str, batch: int, microbatches: int, pp: i
   config, net, directives = run.build(variant, model, n, microbatches, pp, 0, None, seq_len)
   if directives is None:
     raise ValueError(f"{variant!r} is a plain-JAX baseline: it has no pj.compile to time")
-  from examples import gpt, qwen3
-  family = qwen3 if model.startswith("qwen3") else gpt  # the MoE GPT is a GPT here
+  family = run.step_family(model)
   key = jax.random.PRNGKey(0)
   params = jax.eval_shape(lambda: family.init_params(net, key))
   example = jax.eval_shape(lambda: family.random_batch(config, key, batch))
@@ -64,12 +63,12 @@ def main(argv=None):
   ap.add_argument("--out", default=None, help="JSON output path")
   args = ap.parse_args(argv)
   run._setup_cpu(args.small)
+  import jax  # after the CPU devices are set up
   model = "tiny" if args.small else args.model
   rows = []
   for variant in args.variants.split(","):
     times = build_seconds(variant, model, args.batch, args.microbatches, args.pp, args.reps,
                           args.seq_len)
-    import jax
     rows.append({"variant": variant, "model": model, "devices": len(jax.devices()),
                  "device_kind": jax.devices()[0].device_kind, "batch": args.batch,
                  "microbatches": args.microbatches, "pp": args.pp,

@@ -109,6 +109,13 @@ def _family(model: str):
   return qwen3 if model.startswith("qwen3") else moe if model.startswith("moe-") else gpt
 
 
+def step_family(model: str):
+  """The examples module whose `init_params`, `loss_fn` and `random_batch` a model uses:
+  qwen3 for its presets, else gpt (the MoE GPT is a GPT there)."""
+  from examples import gpt, qwen3
+  return qwen3 if model.startswith("qwen3") else gpt
+
+
 def is_moe(model: str) -> bool:
   if model.startswith("moe-"):
     return True
@@ -323,13 +330,12 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import piper_jax as pj
-  from examples import gpt, qwen3
 
   devices = jax.devices()
   n = len(devices)
   base, mods = split_variant(variant)
   config, net, directives = build(variant, model, n, microbatches, pp, zero, attention, seq_len)
-  family = qwen3 if model.startswith("qwen3") else gpt  # the MoE GPT is a GPT here
+  family = step_family(model)
   loss_fn = family.loss_fn(net)
   params = init_params(family, net)
   # "+mask": no weight decay on vectors (biases, norms), the common LLM setting; such an

@@ -125,7 +125,10 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
   device = device or jax.devices()[0]
   traced = trace_loss(loss_fn, params, _rows_of(example_batch, rows))
   runner = RegionRunner(traced)
-  known = json.load(open(cache)) if cache and os.path.exists(cache) else {}
+  known = {}
+  if cache and os.path.exists(cache):
+    with open(cache) as fh:
+      known = json.load(fh)
   forward, backward, inputs_only = {}, {}, {}
   key = jax.random.PRNGKey(0)
   for spec in traced.spec.regions:

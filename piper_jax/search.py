@@ -192,30 +192,33 @@ class _Model:
   batch_size: int
   pp: tuple[int, ...]               # the model's PP indices, in order (empty: no pipeline)
   pp_flops: Mapping[int, float]     # PP index -> forward FLOPs of its regions
-  act_bytes: Mapping[bool, Mapping[int, int]]  # remat -> region -> bytes kept from F for B
   opt_ratio: float                  # optimizer-state bytes per parameter byte
+  runner: RegionRunner = dataclasses.field(repr=False, compare=False)
   ep_regions: frozenset[int] = frozenset()  # regions annotated "EP" (experts)
   n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
   tp_size: int = 0                  # gcd of the dimensions named "tp" (0: none)
+  # remat -> region -> bytes kept from F for B, analysed on first use.
+  _act_bytes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+  def act_bytes(self, remat: bool) -> Mapping[int, int]:
+    """Per region, the bytes its F keeps for B (residuals under `remat`, and its
+    activation inputs, received from the region before or made on this device)."""
+    if remat not in self._act_bytes:
+      per = {}
+      for r in self.spec.regions:
+        ad = analyze_region(self.runner, r.index, remat)
+        stored = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ad.stored_avals)
+        per[r.index] = int(stored) + sum(x.spec.nbytes for x in r.inputs)
+      self._act_bytes[remat] = per
+    return self._act_bytes[remat]
 
 
-def _measure(loss_fn, optimizer, params, example_batch, remats: Sequence[bool]) -> _Model:
+def _measure(loss_fn, optimizer, params, example_batch) -> _Model:
   traced = trace_loss(loss_fn, params, example_batch)
   spec = traced.spec
   pp_of = [dict(r.tags).get("PP") for r in spec.regions]
   pp = tuple(sorted({p for p in pp_of if p is not None})) if None not in pp_of else ()
   pp_flops = {p: sum(r.flops for r, q in zip(spec.regions, pp_of) if q == p) for p in pp}
-  runner = RegionRunner(traced)
-  act_bytes = {}
-  for remat in sorted(set(remats)):
-    per = {}
-    for r in spec.regions:
-      ad = analyze_region(runner, r.index, remat)
-      stored = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ad.stored_avals)
-      # The region's activation inputs are kept for its B too (received from the
-      # region before, or made on this device and counted there only once here).
-      per[r.index] = int(stored) + sum(x.spec.nbytes for x in r.inputs)
-    act_bytes[remat] = per
   p_bytes = sum(p.nbytes for p in spec.params)
   opt = jax.eval_shape(optimizer.init, params)
   o_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
@@ -225,8 +228,8 @@ def _measure(loss_fn, optimizer, params, example_batch, remats: Sequence[bool]) 
                          for p in spec.regions[r].params if spec.params[p].shape])
   tp_size = math.gcd(*[s.shape[d] for s in spec.params if s.names
                        for d, name in enumerate(s.names) if name == "tp"])
-  return _Model(spec, spec.batch_size, pp, pp_flops, act_bytes, o_bytes / max(p_bytes, 1),
-                ep_regions, n_experts, tp_size)
+  return _Model(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1),
+                RegionRunner(traced), ep_regions, n_experts, tp_size)
 
 
 # -- candidate directives ---------------------------------------------------------
@@ -426,12 +429,13 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
     compute = report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
   n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
   f = (n - 1) / n
-  act = model.act_bytes[remat]
+  act = model.act_bytes(remat)
   peak = MemoryEstimate(0, 0, 0, 0)
   comm = 0.0
   pipelined = mesh.n_pp > 1
   ep, tp = mesh.size("ep"), mesh.size("tp")
   tokens = _tokens(spec) * scale  # tokens of one microbatch on one device's rows
+  act_item = _act_itemsize(spec)
   for rank in range(mesh.n_pp):
     regions = plan.rank_regions(rank)
     # Leaves split over an expert or tensor group: each device holds 1/group of them,
@@ -471,7 +475,7 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
                for x in spec.regions[r].inputs)
     # Tensor parallel: each row-parallel weight (split on the dimension it contracts)
     # has its output all-reduced over the group in F, and its input's cotangent in B.
-    sent += sum(2 * 2 * (tp - 1) / tp * tokens * spec.params[p].shape[-1] * _act_itemsize(spec)
+    sent += sum(2 * 2 * (tp - 1) / tp * tokens * spec.params[p].shape[-1] * act_item
                 * m for r in regions if mesh.sharded.get(r) == "tp"
                 for p, d in mesh.split_dims.get(r, {}).items()
                 if d == 0 and len(spec.params[p].shape) == 2)
@@ -529,7 +533,7 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
   Raises:
     ValueError: for directives that do not plan.
   """
-  model = _measure(loss_fn, optimizer, params, example_batch, (False, True))
+  model = _measure(loss_fn, optimizer, params, example_batch)
   plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
   use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
   step, compute, comm, bubble, mem = _estimate(model, plan, costs or CostModel(), use_remat)
@@ -643,9 +647,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     raise ValueError(f"microbatches must hold ints >= 1, got {list(microbatches)}")
   costs = costs or CostModel()
   pipelines = [s for s in schedules if s != "dp"]
-  remats = [False if remat is None else remat] * ("dp" in schedules) + (
-      [True if remat is None else remat] if pipelines else [])
-  model = _measure(loss_fn, optimizer, params, example_batch, remats)
+  model = _measure(loss_fn, optimizer, params, example_batch)
   if pipelines and "dp" not in schedules and len(model.pp) < 2:
     raise ValueError(
         f"schedules {list(schedules)} are pipelines only, but the model has "
