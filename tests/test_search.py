@@ -8,7 +8,7 @@ import pytest
 
 import piper_jax as pj
 from examples import gpt
-from models import reference_run
+from models import assert_same_run, reference_run
 from piper_jax.search import format_bytes
 
 MIB = 1 << 20
@@ -78,10 +78,8 @@ def test_best_trains_like_one_device():
   loss, params, batch = _gpt(4)
   tx = optax.sgd(0.1)
   result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, top=100)
-  grouped = next(c for c in result.candidates if c.schedule == "1f1b" and c.n_ranks == 2
-                 and c.stages == ((0, 1), (2, 3)))
-  for cand in (result.best, grouped):
-    _one_step_like_one_device(loss, tx, params, batch, cand.directives, cand.n_ranks * cand.dp)
+  best = result.best  # a grouped pipeline: test_grouped_regions_train_like_one_device
+  _one_step_like_one_device(loss, tx, params, batch, best.directives, best.n_ranks * best.dp)
 
 
 @pytest.mark.timeout(60)
@@ -111,6 +109,19 @@ def test_more_microbatches_of_1f1b_rank_above_gpipe_with_2():
   assert by[("1f1b", 8)].memory.activations < by[("gpipe", 8)].memory.activations
 
 
+@pytest.mark.timeout(90)
+def test_grouped_regions_train_like_one_device(batches_of):
+  # Two PP regions per rank (placed one by one, orders widened to the rank's regions):
+  # k AdamW steps and a plain-SGD step give one device's numbers.
+  config = gpt.get_config("tiny", n_stages=4)
+  loss, params, batch = _setup(gpt.GPT(config))
+  batches_of(config)
+  result = pj.strategies.search(loss, optax.adamw(1e-3), params, batch, 4, 1 << 40,
+                                schedules=("1f1b",), zero_stages=(1,), microbatches=(4,))
+  grouped = next(c for c in result.candidates if c.stages == ((0, 1), (2, 3)))
+  assert_same_run(loss, params, grouped.directives, devices=jax.devices()[:4])
+
+
 @pytest.mark.timeout(30)
 def test_bad_input_says_what_to_change():
   loss, params, batch = _gpt(2)
@@ -119,6 +130,8 @@ def test_bad_input_says_what_to_change():
     pj.strategies.search(loss, tx, params, batch, 0, 1 << 30)
   with pytest.raises(ValueError, match="memory_per_device must be > 0 bytes"):
     pj.strategies.search(loss, tx, params, batch, 8, 0)
+  with pytest.raises(ValueError, match=r"headroom must be in \(0, 1\], got 1.5"):
+    pj.strategies.search(loss, tx, params, batch, 8, 1 << 30, headroom=1.5)
   with pytest.raises(ValueError, match="schedules must be a non-empty list"):
     pj.strategies.search(loss, tx, params, batch, 8, 1 << 30, schedules=("pp",))
   one, one_params, one_batch = _gpt(1)

@@ -57,6 +57,11 @@ def test_usage_errors(argv, n_devices, match):
     train.build_strategy(train.parse_args(argv), n_devices)
 
 
+def test_log_every_must_be_positive():
+  with pytest.raises(train.UsageError, match="--log-every must be >= 1, got 0"):
+    train.main(["--strategy", "dp", "--log-every", "0", "--quiet"])
+
+
 def test_two_stages_per_device_count_devices_right():
   # DualPipeV and interleaved hold two stages per device: 4 stages x DP 2 use 4 devices.
   args = train.parse_args(["--strategy", "pp-dualpipev", "--stages", "4", "--dp", "2",
