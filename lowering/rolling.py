@@ -106,14 +106,16 @@ def _same_reads(prog: Any, reads: list, t: int, u: int, mbs: int) -> bool:
 
 
 def _fit(prog: Any, reads: list, far: list, start: int, end: int, period: int, mbs: int,
-         regular: int, min_iters: int, depth: int = 1) -> Window | None:
-  """The loop over ticks [start, end) that removes the most ticks; they repeat every
-  `period` ticks with `mbs` microbatches' shift and read regularly from tick `regular`.
-  `reads[t]` and `far[t]` are `_reads` and `_farthest` of tick t."""
+         regular: int, min_iters: int, depth: int = 1, floor: int = 0) -> Window | None:
+  """The loop over ticks [start, end) that removes the most ticks, more than `floor`;
+  they repeat every `period` ticks with `mbs` microbatches' shift and read regularly
+  from tick `regular`. `reads[t]` and `far[t]` are `_reads` and `_farthest` of tick t."""
   best = None
   for length in range(period, (end - start) // min_iters + 1, period):
     if start + length < regular:
       continue  # the second iteration's reads would not repeat
+    if ((end - start) // length - 1) * length <= max(floor, _saved(best) if best else 0):
+      continue  # even every iteration that fits would not remove more ticks
     if max(far[start + length:end], default=0) >= length * depth:
       # A value read `length` ticks after it is made would be read by the tick that
       # makes its successor, one switch reading the carried buffer and writing the
@@ -229,7 +231,7 @@ def _find_window(prog: Any, reads: list, far: list, min_iters: int, max_period: 
         regular -= 1
       for start in range(t, regular + 1):
         w = _fit(prog, reads, far, start, e + period + 1, period, mbs, regular, min_iters,
-                 depth)
+                 depth, _saved(best) if best else 0)
         if w and (best is None or _saved(w) > _saved(best)):
           best = w
       t = e + 1
