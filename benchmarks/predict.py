@@ -5,9 +5,10 @@
 For each piper-jax row of a file (dense models; sharded experts are not estimated),
 `pj.strategies.estimate` of the same directives on the row's devices, from shapes:
 peak memory per device against the measured `peak_gib`, and the step time against the
-measured one, with matmuls at the FLOP/s the same call's `jit-dp` row achieved and
-links at `--link-gbps`. Run on a CPU, the trace uses XLA's attention, which keeps the
-T x T probabilities that cuDNN's fused attention on the GPU does not.
+measured one, with matmuls at the FLOP/s the same call's `jit-dp` row (else its
+`gspmd-fsdp` row) achieved and links at `--link-gbps`. Rows that ran cuDNN's fused
+attention are traced with XLA's attention recomputed in the backward, which keeps what
+the fused kernel keeps (q, k, v), not the T x T probabilities.
 """
 
 from __future__ import annotations
@@ -28,21 +29,28 @@ def predict(path: str, link_bytes_per_s: float) -> list[dict]:
   import optax
 
   import piper_jax as pj
-  from examples import gpt
   data = json.load(open(path))
   meta, rows = data["meta"], data["rows"]
-  base = next((r for r in rows if r["variant"] == "jit-dp" and "error" not in r), None)
+  ok = [r for r in rows if "error" not in r]
+  # The FLOP/s of the call's plain-JAX baseline: jit DP, else GSPMD FSDP where DP does not fit.
+  base = next((r for name in ("jit-dp", "gspmd-fsdp") for r in ok if r["variant"] == name), None)
   out = []
-  for r in rows:
+  for r in ok:
     variant = r["variant"]
-    if "error" in r or variant.split("+")[0].split("@")[0] in run.BASELINES or "ep" in variant:
+    if variant.split("+")[0].split("@")[0] in run.BASELINES or "ep" in variant:
       continue
     n, model = r["devices"], r["model"]
     pp = r.get("pp", meta.get("pp", 2))
-    config, net, directives = run.build(variant, model, n, meta["microbatches"], pp)
+    # cuDNN's fused attention keeps no T x T scores; traced on a CPU, XLA's attention
+    # recomputed in the backward keeps the same values.
+    attention = "xla+remat" if r.get("attention", "cudnn") == "cudnn" else r["attention"]
+    seq_len = r.get("seq_len", meta.get("seq_len", 0)) or 0
+    config, net, directives = run.build(variant, model, n, meta["microbatches"], pp,
+                                        attention=attention, seq_len=seq_len)
+    family = run.step_family(model)
     key = jax.random.PRNGKey(0)
-    params = jax.eval_shape(lambda: gpt.init_params(net, key))
-    batch = jax.eval_shape(lambda: gpt.random_batch(config, key, meta["batch"]))
+    params = jax.eval_shape(lambda: family.init_params(net, key))
+    batch = jax.eval_shape(lambda: family.random_batch(config, key, meta["batch"]))
     costs = pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s)
     if base is not None and base.get("mfu"):
       from hardware import peak_flops
@@ -50,7 +58,7 @@ def predict(path: str, link_bytes_per_s: float) -> list[dict]:
                                       link_bytes_per_s=link_bytes_per_s)
     mods = run.split_variant(variant)[1]
     remat = True if "remat" in mods else False if "noremat" in mods else None
-    est = pj.strategies.estimate(gpt.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
+    est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
                                  batch, directives, n, costs=costs, remat=remat)
     m = est.memory
     out.append({"file": os.path.basename(path), "model": model, "variant": variant,

@@ -57,8 +57,9 @@ class GPTConfig:
     tie_embeddings: use the token embedding as the output head.
     dtype: compute dtype (the loss is always computed in float32).
     param_dtype: parameter dtype.
-    attention: `jax.nn.dot_product_attention`'s implementation ("xla", "cudnn");
-      None picks cuDNN for bf16/fp16 on GPU and XLA elsewhere.
+    attention: `jax.nn.dot_product_attention`'s implementation ("xla", "cudnn"), or
+      "xla+remat" (XLA's, its scores recomputed in the backward: a fused kernel's
+      memory without one); None picks cuDNN for bf16/fp16 on GPU and XLA elsewhere.
     tp_axis: when set, the attention and MLP weights carry Flax partitioning
       names (`nn.with_partitioning`) in Megatron's layout: qkv and fc split by
       columns (heads), out and proj by rows, along this name - what
@@ -98,8 +99,8 @@ class GPTConfig:
 def check_stages(config) -> None:
   """Checks a config's `attention` and its blocks per pipeline stage (`n_layers`,
   `n_stages`, `stage_layers`, which it stores as a tuple); for every example model."""
-  if config.attention not in (None, "xla", "cudnn"):
-    raise ValueError(f"attention={config.attention!r}: use None, 'xla' or 'cudnn'")
+  if config.attention not in (None, "xla", "xla+remat", "cudnn"):
+    raise ValueError(f"attention={config.attention!r}: use None, 'xla', 'xla+remat' or 'cudnn'")
   if config.stage_layers is not None:
     layers = tuple(config.stage_layers)
     object.__setattr__(config, "stage_layers", layers)  # hashable, like the rest
@@ -154,6 +155,18 @@ def _dense(cfg: GPTConfig, features: int, std: float, name: str, split: str | No
                   kernel_init=kernel_init, bias_init=bias_init, name=name)
 
 
+def causal_attention(cfg, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal `jax.nn.dot_product_attention` of [batch, seq, heads, head_dim] arrays with
+  `attention_implementation(cfg)`."""
+  impl = attention_implementation(cfg)
+  if impl == "xla+remat":
+    # Only q, k and v are kept for the backward, as a fused kernel keeps them, not the
+    # T x T probabilities: memory estimated on a CPU then matches cuDNN's on a GPU.
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
+    return jax.checkpoint(attend)(q, k, v)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
 def attention_implementation(cfg: GPTConfig) -> str:
   """`cfg.attention`, or by default cuDNN's fused attention for bf16/fp16 on GPU, else XLA.
 
@@ -184,9 +197,7 @@ class CausalSelfAttention(nn.Module):
     qkv = _dense(cfg, 3 * cfg.d_model, 0.02, "qkv", "columns")(x)
     qkv = qkv.reshape(batch, seq, cfg.n_heads, 3, cfg.head_dim)
     q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=attention_implementation(cfg))
-    y = y.reshape(batch, seq, cfg.d_model)
+    y = causal_attention(cfg, q, k, v).reshape(batch, seq, cfg.d_model)
     # GPT-2: scale residual projections down with depth.
     return _dense(cfg, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), "out", "rows")(y)
 

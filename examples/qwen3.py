@@ -64,11 +64,11 @@ import optax
 import piper_jax as pj
 
 try:
-  from examples.gpt import (_dense, _dense_init, attention_implementation, check_stages,
+  from examples.gpt import (_dense, _dense_init, causal_attention, check_stages,
                             count_params, stage_bounds)
   from examples.gpt import random_batch as _gpt_random_batch
 except ImportError:  # run from examples/ as a script
-  from gpt import (_dense, _dense_init, attention_implementation, check_stages, count_params,
+  from gpt import (_dense, _dense_init, causal_attention, check_stages, count_params,
                    stage_bounds)
   from gpt import random_batch as _gpt_random_batch
 
@@ -110,8 +110,9 @@ class Qwen3Config:
     tie_embeddings: use the token embedding as the output head.
     dtype: compute dtype (the loss, router and norms' statistics are float32).
     param_dtype: parameter dtype.
-    attention: `jax.nn.dot_product_attention`'s implementation ("xla", "cudnn");
-      None picks cuDNN for bf16/fp16 on NVIDIA GPUs and XLA elsewhere.
+    attention: `jax.nn.dot_product_attention`'s implementation ("xla", "cudnn"), or
+      "xla+remat" (`examples.gpt.causal_attention`); None picks cuDNN for bf16/fp16
+      on NVIDIA GPUs and XLA elsewhere.
     tp_axis: when set, Megatron partitioning names along this axis (module docstring).
   """
 
@@ -258,8 +259,7 @@ class Attention(nn.Module):
     # The tables are constants of the trace (no parameters): each region makes its own.
     cos, sin = rope_tables(t, hd, cfg.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=attention_implementation(cfg))
+    y = causal_attention(cfg, q, k, v)
     return _dense(cfg, cfg.d_model, INIT_STD, "o", "rows", use_bias=False)(
         y.reshape(b, t, h * hd))
 

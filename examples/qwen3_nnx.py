@@ -36,10 +36,10 @@ from flax import nnx
 import piper_jax as pj
 
 try:
-  from examples.qwen3 import (INIT_STD, Qwen3Config, apply_rope, attention_implementation,
+  from examples.qwen3 import (INIT_STD, Qwen3Config, apply_rope, causal_attention,
                               get_config, random_batch, rope_tables)
 except ImportError:  # run from examples/ as a script
-  from qwen3 import (INIT_STD, Qwen3Config, apply_rope, attention_implementation, get_config,
+  from qwen3 import (INIT_STD, Qwen3Config, apply_rope, causal_attention, get_config,
                      random_batch, rope_tables)
 
 __all__ = ["Qwen3", "get_config", "init", "loss_fn", "random_batch"]
@@ -78,8 +78,7 @@ class Attention(nnx.Module):
     v = self.v(x).reshape(b, t, kv, hd)
     cos, sin = rope_tables(t, hd, cfg.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=attention_implementation(cfg))
+    y = causal_attention(cfg, q, k, v)
     return self.o(y.reshape(b, t, h * hd))
 
 

@@ -61,12 +61,31 @@ def test_attention_implementation():
   assert gpt.attention_implementation(gpt.get_config("268m")) == "xla"  # fp32
   assert gpt.attention_implementation(dataclasses.replace(bf16, tp_axis="tp")) == "xla"
   assert gpt.attention_implementation(dataclasses.replace(bf16, attention="cudnn")) == "cudnn"
-  with pytest.raises(ValueError, match="attention='flash': use None, 'xla' or 'cudnn'"):
+  with pytest.raises(ValueError, match="attention='flash': use None, 'xla', 'xla\\+remat' or 'cudnn'"):
     dataclasses.replace(bf16, attention="flash")
 
 
+def test_recomputed_attention_keeps_no_scores():
+  # "xla+remat" stores q, k and v for the backward, not the T x T probabilities: the
+  # planner's estimate made on a CPU then counts what cuDNN's fused attention keeps.
+  import optax
+  def activations(attention):
+    config = gpt.GPTConfig(vocab_size=64, seq_len=128, d_model=32, n_heads=2, n_stages=2,
+                           n_layers=2, attention=attention)
+    model = gpt.GPT(config)
+    params = jax.eval_shape(lambda: gpt.init_params(model, jax.random.PRNGKey(0)))
+    batch = jax.eval_shape(lambda: gpt.random_batch(config, jax.random.PRNGKey(0), 8))
+    est = pj.strategies.estimate(gpt.loss_fn(model), optax.sgd(0.1), params, batch,
+                                 pj.strategies.pipeline(2, 2, "1f1b"), 2, remat=False)
+    return est.memory.activations
+  full, recomputed = activations("xla"), activations("xla+remat")
+  scores = 2 * 2 * 128 * 128 * 4  # a layer's probabilities: heads x T x T fp32, per sequence
+  assert full - recomputed >= scores, (full, recomputed)
+
+
 def test_gpt_tied_embeddings_gpipe(monkeypatch):
-  config, loss, params = _gpt(2, tied=True)
+  # Attention recomputed in the backward: a checkpointed call inside a region.
+  config, loss, params = _gpt(2, tied=True, attention="xla+remat")
   import models
   monkeypatch.setattr(models, "random_batch", _batches(config))
   assert_same_run(loss, params, pj.strategies.pipeline(2, 4, "gpipe"), batch_size=8)
