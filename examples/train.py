@@ -212,7 +212,8 @@ def device_memory_bytes(device, cpu_default_gib: float = 16.0) -> float:
 
 
 def search_strategy(args, loss_fn, optimizer, params, batch, devices):
-  """`--strategy auto`: searches, prints the table; returns (directives, devices to use)."""
+  """`--strategy auto`: searches, prints the table; returns the compiled step of the
+  fastest candidate that fits the devices' memory."""
   memory = (args.memory_gib * 2 ** 30 if args.memory_gib is not None
             else device_memory_bytes(devices[0]))
   costs = None
@@ -233,9 +234,14 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
   print(result.table())
   if args.timelines:
     print("timelines of the fastest:", ", ".join(result.timelines(args.timelines)))
-  best = result.best
-  print(f"chosen: {best.name}, {best.n_microbatches} microbatch(es)")
-  return best.directives, devices[:best.n_ranks * best.dp]
+  try:  # the first of the fastest whose compiled program fits, by XLA's count
+    best, step = result.compile_best(loss_fn, optimizer, params, batch, devices,
+                                     roll=args.roll, remat=args.remat)
+  except ValueError as e:
+    raise UsageError(f"--strategy auto: {e}") from e
+  print(f"chosen: {best.name}, {best.n_microbatches} microbatch(es); compiled, it needs "
+        f"{step.memory().total / 2 ** 30:.3g} GiB per device")
+  return step
 
 
 class TrainingDiverged(RuntimeError):
@@ -331,9 +337,10 @@ def main(argv=None) -> dict:
 
   loss_fn = family.loss_fn(model)
   if directives is None:
-    directives, devices = search_strategy(args, loss_fn, optimizer, params, get_batch(0), devices)
-  step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
-                    devices=devices, roll=args.roll, remat=args.remat)
+    step = search_strategy(args, loss_fn, optimizer, params, get_batch(0), devices)
+  else:
+    step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
+                      devices=devices, roll=args.roll, remat=args.remat)
   print(step.describe())  # the plan, options, and the collectives the step runs
   if step.rolled:
     w = step.rolled
@@ -382,7 +389,7 @@ def main(argv=None) -> dict:
       if done - len(values) > first:  # the first window holds the compilation
         windows.append((len(values), now - since))
       tps = tokens_per_step / seconds
-      tflops = flops_per_step / seconds / len(devices) / 1e12
+      tflops = flops_per_step / seconds / len(step.devices) / 1e12
       if bar is not None:
         bar.update(len(values))
         bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{tps:,.0f}",

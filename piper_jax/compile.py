@@ -25,7 +25,24 @@ from piper_jax.lowering.options import LoweringOptions
 from piper_jax.lowering.program import Program
 from piper_jax.lowering.trace import check_leaf, trace_loss
 
-__all__ = ["TrainState", "TrainStep", "compile", "plan"]
+__all__ = ["CompiledMemory", "TrainState", "TrainStep", "compile", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """Bytes per device of the compiled step, by XLA's own accounting
+  (`jax.stages.Compiled.memory_analysis`): the state and batch it reads, what it
+  returns (the new state is written over the donated old one), and its temporaries."""
+
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+
+  @property
+  def total(self) -> int:
+    """The most bytes the step holds at once on a device, allocator slack aside."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
 @jax.tree_util.register_pytree_node_class
@@ -211,6 +228,7 @@ class TrainStep:
     self._to_canonical = None
     self._grad_specs = grad_specs
     self._collectives: list[StepCollective] | None = None
+    self._compiled = None  # the step `memory` compiled, which calls then run
 
   # -- public API ---------------------------------------------------------------
 
@@ -307,7 +325,7 @@ class TrainStep:
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
     """One training step: returns the new state and the mean loss over the batch."""
-    return self._step(state, self._batch_leaves(batch))
+    return (self._compiled or self._step)(state, self._batch_leaves(batch))
 
   @property
   def rolled(self):
@@ -394,6 +412,24 @@ class TrainStep:
   def lower(self, state: TrainState, batch: Any):
     """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""
     return self._step.lower(state, self._batch_leaves(batch))
+
+  def memory(self) -> CompiledMemory:
+    """What the compiled step needs per device, from XLA's memory analysis of it.
+
+    Compiles the step on shapes (nothing is allocated); later calls run that program."""
+    abstract = lambda shapes, shardings: jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    params = abstract(self._layout.shapes(), self._param_shardings)
+    opt_state = abstract(self._opt_shapes, self._opt_shardings)
+    batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype,
+                                  sharding=self._batch_sharding) for x in self._traced.spec.batch]
+    if self._compiled is None:
+      self._compiled = self._step.lower(TrainState(params, opt_state, self), batch).compile()
+    stats = self._compiled.memory_analysis()
+    if stats is None:
+      raise NotImplementedError(f"XLA has no memory analysis on {self.devices[0].platform}")
+    return CompiledMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+                          int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
 
   def params(self, state: TrainState) -> Any:
     """The parameters as the user's original pytree, gathered."""

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from piper_jax.calibrate import RegionTimes
+from piper_jax.compile import compile as compile_step
 from piper_jax.ir.directives import (Directive, Order, order, place, replicate, shard,
                                      shard_tensor, split)
 from piper_jax.ir.pipeline import make_plan
@@ -159,6 +160,36 @@ class SearchResult:
       paths.append(os.path.join(folder, f"{k + 1}_{slug}.{fmt}"))
       c.plan.timeline(paths[-1], costs="flops")
     return paths
+
+  def compile_best(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
+                   params: Any, example_batch: Any, devices: Sequence[Any] | None = None,
+                   tries: int = 3, fraction: float = 0.95, **compile_kwargs):
+    """Compiles the fastest candidates in turn and returns the first, with its
+    `TrainStep`, whose compiled program fits: XLA's own memory analysis of it
+    (`TrainStep.memory`) within `fraction` of `memory_per_device`.
+
+    The search ranks by estimates; XLA's count of the compiled step also holds its
+    temporaries and copies, which the estimates leave out. Each try compiles once (the
+    step returned runs that program).
+
+    Raises:
+      ValueError: when none of the first `tries` candidates fits, naming each one's bytes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    bound = fraction * self.memory_per_device
+    tried = []
+    for c in self.candidates[:tries]:
+      step = compile_step(loss_fn, optimizer, c.directives, params, example_batch,
+                          devices=devices[:c.n_ranks * c.dp], **compile_kwargs)
+      need = step.memory().total
+      if need <= bound:
+        return c, step
+      tried.append(f"{c.name} ({c.n_microbatches} microbatches): {format_bytes(need)}, "
+                   f"estimated {format_bytes(c.peak_memory)}")
+    raise ValueError(f"none of the {len(tried)} fastest strategies compiles within "
+                     f"{format_bytes(bound)} per device ({100 * fraction:.0f}% of "
+                     f"{format_bytes(self.memory_per_device)}) by XLA's count: "
+                     + "; ".join(tried) + ". Try more `tries`, a smaller batch, or more devices.")
 
   def __str__(self) -> str:
     return (f"{len(self.candidates)} strategies fit {format_bytes(self.memory_per_device)} per "

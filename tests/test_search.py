@@ -1,6 +1,8 @@
 """`pj.strategies.search`: only strategies that fit, ranked by the simulator, and the
 chosen one trains to one device's numbers."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -147,13 +149,37 @@ def test_train_script_auto(capsys):
   from examples import train
   with pytest.raises(train.UsageError, match="drop --dp and --zero"):
     train.build_strategy(train.parse_args(["--strategy", "auto", "--dp", "2"]), 8)
-  # A bound that only pipelines meet: the script prints the table and trains the best.
+  # The script prints the table, compiles the fastest that fits by XLA's count, trains it.
   out = train.main(["--strategy", "auto", "--stages", "2", "--steps", "2", "--batch", "16",
-                    "--data", "synthetic", "--memory-gib", str(2.5 / 1024), "--quiet"])
+                    "--data", "synthetic", "--memory-gib", str(5 / 1024), "--quiet"])
   printed = capsys.readouterr().out
   assert "| strategy | microbatches | simulated step | bubble | peak memory |" in printed
-  assert "chosen: " in printed and " pp2 " in printed.split("chosen: ")[1].splitlines()[0]
-  assert out["step"].plan.mesh.n_pp == 2 and np.isfinite(out["losses"]).all()
+  chosen = printed.split("chosen: ")[1].splitlines()[0]
+  need = float(re.search(r"compiled, it needs ([0-9.e-]+) GiB per device", chosen).group(1))
+  assert 0 < need <= 0.95 * 5 / 1024
+  assert np.isfinite(out["losses"]).all()
+
+
+@pytest.mark.timeout(90)
+def test_compile_best_checks_xla_memory():
+  # The estimates leave XLA's temporaries out; compile_best reads the compiled program's
+  # own memory analysis, and refuses a candidate over the bound with its bytes.
+  import dataclasses
+  loss, params, batch = _gpt(2)
+  tx = optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 30, schedules=("1f1b",),
+                                zero_stages=(1,), microbatches=(2,))
+  best, step = result.compile_best(loss, tx, params, batch, tries=1)
+  need = step.memory()
+  assert best is result.candidates[0] and 0 < need.total <= 0.95 * (1 << 30)
+  assert need.temporaries > 0 and need.arguments >= need.aliased > 0
+  state, got = step(step.init(params), batch)  # runs the program memory() compiled
+  want = jax.jit(loss)(params, batch)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  small = dataclasses.replace(result, memory_per_device=need.total)  # 95% of it: too little
+  with pytest.raises(ValueError, match=r"none of the 1 fastest strategies compiles within .* "
+                                       r"by XLA's count: " + re.escape(best.name)):
+    small.compile_best(loss, tx, params, batch, tries=1)
 
 
 @pytest.mark.timeout(60)
