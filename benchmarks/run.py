@@ -67,8 +67,10 @@ prepares the next step while the GPU runs this one; "blocked ms" is the median w
 the host waiting for each step before calling the next; "host ms" is how long a step's call takes to return: when it is close to "step
 ms" and "step ms" is no less than "blocked ms", the host is the limit), tokens/s, MFU
 (against the dense bf16 peak of the card, `benchmarks/hardware.py`), peak device memory
-(`peak_bytes_in_use`, the largest over devices), compile time (first call minus one
-step, plus `pj.compile`'s own tracing and planning, `build_s`), and the ratio of tokens/s to the matching plain-JAX baseline.
+(`peak_bytes_in_use`, the largest over devices), XLA's count of the compiled program's
+memory per device (`xla_gib`), compile time (XLA compiling the step, plus the first call
+minus one step, plus `pj.compile`'s own tracing and planning, `build_s`), and the ratio
+of tokens/s to the matching plain-JAX baseline.
 """
 
 from __future__ import annotations
@@ -403,6 +405,18 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   return call, state, batches, config, sim
 
 
+def _compiled(call, state, batch):
+  """(the step compiled, as a callable, and XLA's bytes per device for it): arguments
+  plus outputs not written over donated arguments plus temporaries."""
+  if hasattr(call, "memory"):  # a piper-jax TrainStep: calls then run what it compiled
+    return call, call.memory().total
+  compiled = call.lower(state, batch).compile()
+  m = compiled.memory_analysis()
+  need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes) if m is not None else 0
+  return compiled, need
+
+
 def _progress(text: str):
   """A line on stderr that the parent quotes when this child runs past --timeout."""
   print(f"[run] {text}", file=sys.stderr, flush=True)
@@ -424,11 +438,18 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   tokens = batch * config.seq_len
   _progress(f"{variant}: built in {time.perf_counter() - t_start:.1f} s")
 
+  # Compiled apart from the first step, so that a row that runs past --timeout says
+  # which of the two it was in, with XLA's count of the memory the program needs.
+  t0 = time.perf_counter()
+  call, xla_bytes = _compiled(call, state, batches[0])
+  compiled = time.perf_counter() - t0
+  _progress(f"{variant}: compiled in {compiled:.1f} s; XLA counts "
+            f"{xla_bytes / 2**30:.1f} GiB per device")
   t0 = time.perf_counter()
   state, loss = call(state, batches[0])
   loss.block_until_ready()
   first = time.perf_counter() - t0
-  _progress(f"{variant}: first step (compile included) {first:.1f} s")
+  _progress(f"{variant}: first step {first:.1f} s")
   for i in range(warmup):
     state, loss = call(state, batches[(i + 1) % len(batches)])
   loss.block_until_ready()
@@ -470,8 +491,9 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
           "dispatch_ms": float(np.median(dispatch)) * 1e3,
           "tokens_per_s": tps, "mfu": mfu,
           "peak_gib": peak / 2**30 if peak else None,
+          "xla_gib": xla_bytes / 2**30,
           # pj.compile's own work counts, as jax.jit's tracing does in its first call.
-          "compile_s": max(first - step_s, 0.0) + sim.get("build_s", 0.0),
+          "compile_s": compiled + max(first - step_s, 0.0) + sim.get("build_s", 0.0),
           "loss": float(loss), "attention": gpt.attention_implementation(config),
           "stage_layers": [e - b for b, e in config.stage_bounds], **sim}
 
