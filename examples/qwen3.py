@@ -305,12 +305,12 @@ class Experts(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_intermediate
-    w = lambda name, shape: self.param(name, _dense_init(INIT_STD), shape,
-                                       cfg.param_dtype).astype(cfg.dtype)
+    w = lambda name, shape: self.param(name, _dense_init(INIT_STD), shape, cfg.param_dtype)
     w_gate, w_up, w_down = w("w_gate", (e, d, f)), w("w_up", (e, d, f)), w("w_down", (e, f, d))
-    with pj.annotate("EP"):
-      h = nn.silu(jnp.einsum("ecd,edf->ecf", x, w_gate)) * jnp.einsum("ecd,edf->ecf", x, w_up)
-      return jnp.einsum("ecf,efd->ecd", h, w_down)
+    with pj.annotate("EP"):  # cast inside: the region's weights are parameters, not inputs
+      c = lambda a: a.astype(cfg.dtype)
+      h = nn.silu(jnp.einsum("ecd,edf->ecf", x, c(w_gate))) * jnp.einsum("ecd,edf->ecf", x, c(w_up))
+      return jnp.einsum("ecf,efd->ecd", h, c(w_down))
 
 
 def _route(cfg: Qwen3MoEConfig, probs: jax.Array):

@@ -236,6 +236,23 @@ _TP_OPS = {
 }
 
 
+def test_ep_weights_cast_before_the_region():
+  # A bf16 model that casts its expert weights before the EP block hands the region
+  # activations, not parameters: the message says to cast inside.
+  def loss(params, batch):
+    with pj.annotate("PP"):
+      x = batch["x"].reshape(_E, -1, D_IN)
+      w = params["w"].astype(jnp.bfloat16)
+      with pj.annotate("EP"):
+        y = jnp.einsum("ecd,edf->ecf", x.astype(jnp.bfloat16), w)
+      return jnp.mean(y.astype(jnp.float32) ** 2)
+  directives = [pj.replicate({}, [0, 1]), pj.shard({"EP": 0}, [0, 1])]
+  with pytest.raises(pj.DirectiveError, match=r"directive 1 .*region 1 \(PP=0,EP=0\) reads no "
+                     r"parameters: read the expert weights \(and cast them\) inside"):
+    pj.compile(loss, optimizer(), directives, {"w": jnp.ones((_E, D_IN, D_IN))},
+               {"x": jnp.ones((32, D_IN))})
+
+
 @pytest.mark.parametrize("kind,name", [("ep", k) for k in _EP_OPS] + [("tp", k) for k in _TP_OPS])
 def test_unsupported_ops_in_split_regions(kind, name):
   op, pattern = (_EP_OPS if kind == "ep" else _TP_OPS)[name]

@@ -37,9 +37,13 @@ def _check_ep(model: ModelSpec, r: int, g: int, err) -> None:
               f"runs the experts on tokens already dispatched to [experts, capacity, ...]")
   tensors = ([("parameter", model.params[p]) for p in spec.params]
              + [("input", x.spec) for x in spec.inputs] + [("output", o) for o in spec.outputs])
-  if not spec.params or not spec.inputs:
-    raise err(f"region {r} ({spec.name}) has no expert parameters or no dispatched inputs; "
-              f"match only the expert computation with shard")
+  if not spec.params:
+    raise err(f"region {r} ({spec.name}) reads no parameters: read the expert weights (and "
+              f"cast them) inside its pj.annotate(\"EP\") block, so that they are the "
+              f"region's parameters and not inputs computed before it")
+  if not spec.inputs:
+    raise err(f"region {r} ({spec.name}) has no dispatched inputs; match only the expert "
+              f"computation with shard")
   n_exp = model.params[spec.params[0]].shape[0] if model.params[spec.params[0]].shape else 0
   for what, t in tensors:
     if not t.shape or t.shape[0] != n_exp:
