@@ -55,7 +55,9 @@ next iteration's task (`LoweringOptions.overlap_exchange` off).
 `+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
 backward (`LoweringOptions.zero3_reshard` off). `+spread` stores slots whose pipeline ranks' parts
 are uneven spread over all devices (`LoweringOptions.spread_uneven_slots`).
-`+L9-7` sets the blocks of each pipeline stage. `+xla` runs the variant with
+`+ac` checkpoints every block of a Qwen3 model (its `remat`: the backward
+recomputes a block from its input, the one value kept for it). `+L9-7` sets the blocks
+of each pipeline stage. `+xla` runs the variant with
 `--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
 update mode and the allocator it needs), beside the same variant without them.
 
@@ -97,7 +99,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
              "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
              "spread", "syncx",
-             "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla")
+             "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla", "ac")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 # Stages per pipeline rank.
@@ -134,7 +136,18 @@ def BASELINE_OF(variant: str, model: str = "") -> str:
   base, mods = split_variant(variant)
   default = "shmap-dp" if is_moe(model) else "jit-dp"
   return _BASELINE.get(base.partition("@")[0], default) + "".join(
-      "+" + m for m in ("bf16", "mask") if m in mods)
+      "+" + m for m in ("bf16", "mask", "ac") if m in mods)
+
+
+def baseline_row(rows_by_key: dict, variant: str, model: str, baseline_of=None):
+  """(name, row) of the baseline a variant's ratio is against: `baseline_of`'s (default
+  `BASELINE_OF`), or GSPMD FSDP where jit DP did not run (a model too large for it)."""
+  name = (baseline_of or BASELINE_OF)(variant, model)
+  row = rows_by_key.get((model, name))
+  if row is None and name.startswith("jit-dp"):
+    name = "gspmd-fsdp" + name[len("jit-dp"):]
+    row = rows_by_key.get((model, name))
+  return name, row
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
@@ -161,8 +174,12 @@ def _setup_cpu(small: bool):
 
 
 def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = False,
-            attention: str | None = None, seq_len: int = 0):
+            attention: str | None = None, seq_len: int = 0, remat: bool = False):
   config = _preset(model, n_stages, balanced)
+  if remat:
+    if not hasattr(config, "remat"):
+      raise ValueError(f"+ac checkpoints the blocks of the Qwen3 models; {model} has no remat")
+    config = dataclasses.replace(config, remat=True)
   if seq_len:
     config = dataclasses.replace(config, seq_len=seq_len)
   if attention:
@@ -216,6 +233,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
   config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods,
+                   remat="ac" in mods,
                    attention=attention, seq_len=seq_len)
   layers = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
   if layers:
@@ -545,7 +563,7 @@ def add_predictions(rows) -> None:
   """Simulator predictions in ms, calibrated with the plain DP row of the same model."""
   ok = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
-    dp = ok.get((r["model"], BASELINE_OF(r["variant"], r["model"])))
+    _, dp = baseline_row(ok, r["variant"], r["model"])
     if "sim_makespan" in r and dp:
       r["sim_ms"] = dp["step_ms"] * r["sim_makespan"] / r["sim_work_per_rank"]
       r["sim_tick_ms"] = dp["step_ms"] * r["sim_tick_makespan"] / r["sim_work_per_rank"]
@@ -562,8 +580,7 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
     if "error" in r:
       lines.append(f"| {r['model']} | {r['variant']} | | | | | | {r['error']} | | | | |")
       continue
-    name = baseline_of(r["variant"], r["model"])
-    b = base.get((r["model"], name))
+    name, b = baseline_row(base, r["variant"], r["model"], baseline_of)
     ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {name}" if b else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
@@ -613,8 +630,8 @@ def main(argv=None):
     if {m for m in mods if not (_REGIONS.fullmatch(m) or _LAYERS.fullmatch(m))} - set(_SUFFIXES):
       raise ValueError(f"unknown suffix in {v!r}: use +rK, +L<blocks>-<blocks>... and "
                        + ", ".join("+" + m for m in _SUFFIXES))
-    if base in BASELINES and set(mods) - {"bf16", "mask", "xla"}:
-      raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16, +mask and +xla")
+    if base in BASELINES and set(mods) - {"bf16", "mask", "xla", "ac"}:
+      raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16, +mask, +ac and +xla")
     if {"remat", "noremat"} <= set(mods):
       raise ValueError(f"{v!r}: +remat and +noremat contradict each other; keep one")
     if "xla" in mods and not args.xla_flags:

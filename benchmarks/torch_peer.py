@@ -121,6 +121,15 @@ def _build_stage(cfg, first: bool, last: bool, blocks: range):
   return build(cfg, first, last, blocks)
 
 
+def _run_blocks(blocks, cfg, x, *extra):
+  """The blocks in turn; with cfg["ac"], each checkpointed (its backward recomputes it
+  from its input), as run.py's `+ac` does for the JAX models."""
+  from torch.utils.checkpoint import checkpoint
+  for blk in blocks:
+    x = checkpoint(blk, x, *extra, use_reentrant=False) if cfg.get("ac") else blk(x, *extra)
+  return x
+
+
 def _build_gpt_stage(cfg, first: bool, last: bool, blocks: range):
   """A GPT piece: [embeddings] + blocks + [final norm and head]; the whole GPT if first and last."""
   import torch
@@ -167,8 +176,7 @@ def _build_gpt_stage(cfg, first: bool, last: bool, blocks: range):
     def forward(self, x):
       if first:
         x = self.embed(x) + self.pos_embed(torch.arange(x.shape[1], device=x.device))[None]
-      for blk in self.blocks:
-        x = blk(x)
+      x = _run_blocks(self.blocks, cfg, x)
       if last:
         x = self.head(self.ln_f(x))
       return x
@@ -259,8 +267,7 @@ def _build_qwen3_stage(cfg, first: bool, last: bool, blocks: range):
       angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * inv[None]
       angles = torch.cat([angles, angles], dim=-1)
       cos, sin = angles.cos(), angles.sin()
-      for blk in self.blocks:
-        x = blk(x, cos, sin)
+      x = _run_blocks(self.blocks, cfg, x, cos, sin)
       if last:
         x = F.linear(self.final_norm(x), (self.embed if self.head is None else self.head).weight)
       return x
@@ -460,7 +467,7 @@ def run_variant(args, variant: str, model: str, use_cuda: bool, n_gpus: int):
   if variant not in VARIANTS:
     return error(f"unknown variant (choose from {', '.join(VARIANTS)})")
   try:
-    cfg = model_config(model, args.seq_len)
+    cfg = dict(model_config(model, args.seq_len), ac=args.ac)
   except ValueError as e:
     return error(str(e))
   if variant in PIPELINES:
@@ -537,6 +544,8 @@ def main(argv=None):
   ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
   ap.add_argument("--small", action="store_true",
                   help="tiny models (tiny, qwen3-tiny) on CPU processes (gloo)")
+  ap.add_argument("--ac", action="store_true",
+                  help="checkpoint every block (activation checkpointing), as run.py's +ac")
   ap.add_argument("--out", default=None, help="JSON output path")
   args = ap.parse_args(argv)
   if args.small:
@@ -564,7 +573,7 @@ def main(argv=None):
   from run import write_results
   write_results(args, rows, "results_torch", torch=torch.__version__,
                 dtype="bfloat16" if use_cuda else "float32", pp=args.pp, dp=args.dp,
-                seq_len=args.seq_len)
+                seq_len=args.seq_len, ac=args.ac)
   print(table(rows))
   return rows
 

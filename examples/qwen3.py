@@ -114,6 +114,8 @@ class Qwen3Config:
       "xla+remat" (`examples.gpt.causal_attention`); None picks cuDNN for bf16/fp16
       on NVIDIA GPUs and XLA elsewhere.
     tp_axis: when set, Megatron partitioning names along this axis (module docstring).
+    remat: checkpoint every block (`nn.remat`): its backward recomputes it from its input,
+      the one value the forward keeps for it (dense blocks only).
   """
 
   vocab_size: int
@@ -133,6 +135,7 @@ class Qwen3Config:
   param_dtype: Any = jnp.float32
   attention: str | None = None
   tp_axis: str | None = None
+  remat: bool = False
 
   def __post_init__(self):
     check_stages(self)
@@ -177,6 +180,10 @@ class Qwen3MoEConfig(Qwen3Config):
     super().__post_init__()
     if not 1 <= self.top_k <= self.n_experts:
       raise ValueError(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+    if self.remat:
+      # A checkpointed block is one equation to piper-jax: its EP region would be hidden.
+      raise ValueError("remat=True checkpoints whole blocks, which would hide a MoE block's "
+                       "EP region; train the MoE without remat")
 
 
 _VOCAB = 151936  # Qwen3's tokenizer (padded)
@@ -382,13 +389,14 @@ class Qwen3(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      embedding_init=_dense_init(INIT_STD), name="embed")
     x = embed(tokens)
+    block = nn.remat(self.block_cls) if cfg.remat else self.block_cls
     # The blocks' load-balancing losses, summed and carried from stage to stage (module
     # docstring); None when no block has one.
     aux = None
     for first, end in cfg.stage_bounds:
       with pj.annotate("PP"):
         for i in range(first, end):
-          x, a = self.block_cls(cfg, name=f"block_{i}")(x)
+          x, a = block(cfg, name=f"block_{i}")(x)
           if a is not None:
             aux = a if aux is None else aux + a
     x = _norm(cfg, "final_norm")(x)

@@ -107,6 +107,10 @@ class Block(nnx.Module):
     return x + self.mlp(self.post_attn_norm(x))
 
 
+def _run(block: Block, x: jax.Array) -> jax.Array:
+  return block(x)
+
+
 class Qwen3(nnx.Module):
   """Dense Qwen3 decoder: tokens [B, T] -> logits [B, T, vocab]."""
 
@@ -124,7 +128,7 @@ class Qwen3(nnx.Module):
     for first, end in self.cfg.stage_bounds:
       with pj.annotate("PP"):
         for i in range(first, end):
-          x = self.blocks[i](x)
+          x = (nnx.remat(_run)(self.blocks[i], x) if self.cfg.remat else self.blocks[i](x))
     x = self.final_norm(x)
     return self.embed.attend(x) if self.head is None else self.head(x)
 

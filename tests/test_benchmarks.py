@@ -165,6 +165,16 @@ def test_qwen3_presets_in_run():
     state, loss = call(state, b)
     losses.append(float(loss))
   assert np.all(np.isfinite(losses)) and batches[0]["tokens"].shape == (8, 16)
+  # +ac checkpoints the blocks; the 8B shape's ratios fall back to GSPMD FSDP, which
+  # runs where jit DP does not fit.
+  config, _, _ = run.build("zero3+ac", "qwen3-tiny", 8, 1, seq_len=16)
+  assert config.remat and run.BASELINE_OF("zero1+ac", "qwen3-8b") == "jit-dp+ac"
+  fsdp = {"variant": "gspmd-fsdp+ac", "model": "qwen3-8b", "tokens_per_s": 1.0}
+  rows = {("qwen3-8b", "gspmd-fsdp+ac"): fsdp}
+  assert run.baseline_row(rows, "zero1+ac", "qwen3-8b") == ("gspmd-fsdp+ac", fsdp)
+  assert run.baseline_row(rows, "zero1", "qwen3-8b") == ("gspmd-fsdp", None)
+  with pytest.raises(ValueError, match=r"\+ac checkpoints the blocks of the Qwen3 models"):
+    run.build("dp+ac", "tiny", 8, 1)
 
 
 def test_largest_batch_doubles_until_out_of_memory(monkeypatch):

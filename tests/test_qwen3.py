@@ -68,13 +68,25 @@ def test_presets_have_published_shapes():
 
 def test_dense_1f1b_tied(batches_of):
   # 2 stages of one block each; the tied embedding is read by the first stage (lookup)
-  # and the last (head): its gradient is the sum of both.
-  config, model, params = _model("qwen3-tiny", n_stages=2, tie_embeddings=True)
+  # and the last (head): its gradient is the sum of both. Blocks checkpointed (remat):
+  # each region's forward keeps only its blocks' inputs for the backward.
+  config, model, params = _model("qwen3-tiny", n_stages=2, tie_embeddings=True, remat=True)
   assert "head" not in params
   batches_of(config)
   step, _ = assert_same_run(qwen3.loss_fn(model), params, pj.strategies.pipeline(2, 2, "1f1b"),
                             batch_size=8, tx=TX)
   assert step.plan.mesh.n_pp == 2
+  kept = {}
+  for remat in (False, True):
+    m = qwen3.make_model(qwen3.get_config("qwen3-tiny", n_stages=2, remat=remat))
+    shapes = jax.eval_shape(lambda: qwen3.init_params(m, jax.random.PRNGKey(0)))
+    batch = jax.eval_shape(lambda: qwen3.random_batch(m.config, jax.random.PRNGKey(0), 8))
+    kept[remat] = pj.strategies.estimate(qwen3.loss_fn(m), TX, shapes, batch,
+                                         pj.strategies.pipeline(2, 2, "1f1b"), 2,
+                                         remat=False).memory.activations
+  assert kept[True] < kept[False] / 2, kept
+  with pytest.raises(ValueError, match="hide a MoE block's EP region"):
+    qwen3.get_config("qwen3-moe-tiny", remat=True)
 
 
 def test_dense_dp2_x_tp2(batches_of):
@@ -136,7 +148,7 @@ def test_nnx_1f1b(batches_of):
   # is jax.value_and_grad of the same loss on one device.
   from flax import nnx
   from examples import qwen3_nnx
-  config = qwen3.get_config("qwen3-tiny", n_stages=2)
+  config = qwen3.get_config("qwen3-tiny", n_stages=2, remat=True)  # blocks under nnx.remat
   graphdef, state = qwen3_nnx.init(config, 0)
   # Plain arrays (nnx.merge/update share the Variables). flax 0.12: nnx.to_pure_dict.
   start = nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
