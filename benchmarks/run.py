@@ -537,11 +537,13 @@ def _child(args, variant, model):
   for line in proc.stdout.splitlines():
     if line.startswith("ROW "):
       return json.loads(line[4:])
-  tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-  err = " | ".join(tail)
+  said = (proc.stderr or proc.stdout).strip().splitlines()
+  # The exception's own line says what went wrong; the traceback above it, where.
+  raised = [l for l in said if re.match(r"[\w.]+(Error|Exception)\b", l)]
+  err = (raised[-1] if raised else " | ".join(said[-3:])).replace(ROOT + os.sep, "")
   if "RESOURCE_EXHAUSTED" in (proc.stderr or "") or "out of memory" in (proc.stderr or "").lower():
     err = "out of memory"
-  return {"variant": variant, "model": model, "error": err[:300], "wall_s": time.time() - t0}
+  return {"variant": variant, "model": model, "error": err[:500], "wall_s": time.time() - t0}
 
 
 def _largest_batch(args, variant: str, model: str) -> dict:
