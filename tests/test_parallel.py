@@ -72,15 +72,19 @@ def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   # replicate each other (expert data parallel), other parameters are ZeRO-1 over all 4.
   # DualPipeV runs with remat (the pipelines' default): the regions around the experts
   # store fewer residuals (28 -> 23 on the first stage) and B remakes the rest; 1F1B
-  # runs with remat=False, so that both settings are tested.
+  # runs with remat=False, so that both settings are tested, and with 8 microbatches as
+  # a rolled loop (roll=True): all-to-alls, split expert weights and ZeRO-1 inside it.
   n_stages = 2 if schedule == "1f1b" else 4
+  n_mb = 8 if schedule == "1f1b" else 4
   config, loss, params = _moe(n_stages)
   batches_of(config)
-  directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=4, zero=1)
+  directives = pj.strategies.pipeline(n_stages, n_mb, schedule, dp=4, zero=1)
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
-  step, state = assert_same_run(loss, params, directives, batch_size=16, tx=MOE_TX,
-                                remat=schedule == "dualpipev")
+  step, state = assert_same_run(loss, params, directives, batch_size=4 * n_mb, tx=MOE_TX,
+                                remat=schedule == "dualpipev", roll=True)
   assert step.plan.mesh.size("ep") == 2 and step.plan.mesh.n_pp == 2
+  if schedule == "1f1b":
+    assert step.rolled is not None and step.rolled.iters >= 2
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2}
   slots = {x.shape for x in state.params["slots"]["float32"]}
   moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.shape in slots]
@@ -207,16 +211,6 @@ def test_stage_of_several_regions_runs_in_one_tick():
   for tick in plan.ticks:
     for tasks in tick:
       assert len({(t.mb, t.pass_) for t in tasks}) <= 2  # at most one F and one B
-
-
-def test_rolled_pp2_x_ep2(batches_of):
-  # compile(roll=True) with all-to-alls, split expert weights and ZeRO-1 inside the loop.
-  config, loss, params = _moe(n_stages=2)
-  batches_of(config)
-  directives = pj.strategies.pipeline(2, 8, "1f1b", dp=4, zero=1)
-  directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
-  step, _ = assert_same_run(loss, params, directives, batch_size=32, tx=MOE_TX, roll=True)
-  assert step.rolled is not None and step.rolled.iters >= 2
 
 
 def test_cpu_ticks_wait_for_the_collectives_before_them():

@@ -163,23 +163,19 @@ def test_train_script_auto(capsys):
 @pytest.mark.timeout(90)
 def test_compile_best_checks_xla_memory():
   # The estimates leave XLA's temporaries out; compile_best reads the compiled program's
-  # own memory analysis, and refuses a candidate over the bound with its bytes.
+  # own memory analysis and refuses a candidate over the bound, naming its bytes (the
+  # chosen one trains in test_train_script_auto).
   import dataclasses
   loss, params, batch = _gpt(2)
   tx = optax.sgd(0.1)
-  result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 30, schedules=("1f1b",),
+  result = pj.strategies.search(loss, tx, params, batch, 2, 1 << 30, schedules=("1f1b",),
                                 zero_stages=(1,), microbatches=(2,))
-  best, step = result.compile_best(loss, tx, params, batch, tries=1)
-  need = step.memory()
-  assert best is result.candidates[0] and 0 < need.total <= 0.95 * (1 << 30)
-  assert need.temporaries > 0 and need.arguments >= need.aliased > 0
-  state, got = step(step.init(params), batch)  # runs the program memory() compiled
-  want = jax.jit(loss)(params, batch)
-  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
-  small = dataclasses.replace(result, memory_per_device=need.total)  # 95% of it: too little
+  best = result.candidates[0]
+  tight = dataclasses.replace(result, memory_per_device=best.peak_memory / 0.95)
   with pytest.raises(ValueError, match=r"none of the 1 fastest strategies compiles within .* "
-                                       r"by XLA's count: " + re.escape(best.name)):
-    small.compile_best(loss, tx, params, batch, tries=1)
+                                       r"by XLA's count: " + re.escape(best.name) +
+                                       r" \(\d+ microbatches\): [\d.]+ [KMG]?i?B, estimated"):
+    tight.compile_best(loss, tx, params, batch, tries=1)
 
 
 @pytest.mark.timeout(60)
