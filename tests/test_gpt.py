@@ -39,7 +39,7 @@ def test_gpt_uneven_stages_1f1b(monkeypatch):
   assert config.stage_bounds == [(0, 3), (3, 4)]
   import models
   monkeypatch.setattr(models, "random_batch", _batches(config))
-  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "1f1b", dp=2), batch_size=8)
+  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "1f1b"), batch_size=8)
 
 
 def test_balanced_stage_layers():
