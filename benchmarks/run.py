@@ -424,15 +424,16 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
 
 
 def _compiled(call, state, batch):
-  """(the step compiled, as a callable, and XLA's bytes per device for it): arguments
-  plus outputs not written over donated arguments plus temporaries."""
+  """(the step compiled, as a callable, and XLA's bytes per device for it,
+  `CompiledMemory.total`; 0 for a jitted baseline where XLA has no memory analysis)."""
+  from piper_jax.compile import CompiledMemory
   if hasattr(call, "memory"):  # a piper-jax TrainStep: calls then run what it compiled
     return call, call.memory().total
   compiled = call.lower(state, batch).compile()
-  m = compiled.memory_analysis()
-  need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes) if m is not None else 0
-  return compiled, need
+  try:
+    return compiled, CompiledMemory.of(compiled).total
+  except NotImplementedError:
+    return compiled, 0
 
 
 def _progress(text: str):

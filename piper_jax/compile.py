@@ -44,6 +44,15 @@ class CompiledMemory:
     """The most bytes the step holds at once on a device, allocator slack aside."""
     return self.arguments + self.outputs - self.aliased + self.temporaries
 
+  @classmethod
+  def of(cls, compiled) -> "CompiledMemory":
+    """The counts of a `jax.stages.Compiled` (any jitted program, not only a step's)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+      raise NotImplementedError("XLA has no memory analysis on this platform")
+    return cls(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+               int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
+
 
 @jax.tree_util.register_pytree_node_class
 class TrainState:
@@ -417,19 +426,16 @@ class TrainStep:
     """What the compiled step needs per device, from XLA's memory analysis of it.
 
     Compiles the step on shapes (nothing is allocated); later calls run that program."""
-    abstract = lambda shapes, shardings: jax.tree_util.tree_map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    params = abstract(self._layout.shapes(), self._param_shardings)
-    opt_state = abstract(self._opt_shapes, self._opt_shardings)
-    batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype,
-                                  sharding=self._batch_sharding) for x in self._traced.spec.batch]
     if self._compiled is None:
+      abstract = lambda shapes, shardings: jax.tree_util.tree_map(
+          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+      params = abstract(self._layout.shapes(), self._param_shardings)
+      opt_state = abstract(self._opt_shapes, self._opt_shardings)
+      batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype,
+                                    sharding=self._batch_sharding)
+               for x in self._traced.spec.batch]
       self._compiled = self._step.lower(TrainState(params, opt_state, self), batch).compile()
-    stats = self._compiled.memory_analysis()
-    if stats is None:
-      raise NotImplementedError(f"XLA has no memory analysis on {self.devices[0].platform}")
-    return CompiledMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
-                          int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
+    return CompiledMemory.of(self._compiled)
 
   def params(self, state: TrainState) -> Any:
     """The parameters as the user's original pytree, gathered."""

@@ -31,7 +31,7 @@ def test_every_region_is_timed_and_the_cache_is_reused(tmp_path, monkeypatch):
   assert sorted(times.forward) == sorted(times.backward) == list(range(n_regions))
   assert all(t > 0 for t in [*times.forward.values(), *times.backward.values()])
   assert times.rows == 2 and times.costs(4)[(0, "F")] == pytest.approx(2 * times.forward[0])
-  costs = times.costs(2)  # zero-bubble schedules run BI and BW apart: they add up to B
+  costs = times.costs(2)  # zero-bubble schedules execute BI and BW apart: they sum to B
   assert all(0 < costs[(r, "BI")] <= costs[(r, "B")] and
              costs[(r, "BI")] + costs[(r, "BW")] == pytest.approx(costs[(r, "B")])
              for r in range(n_regions))

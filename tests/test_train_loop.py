@@ -29,7 +29,8 @@ def test_resume_after_kill_gives_the_same_losses(tmp_path):
                       "--ckpt-dir", str(tmp_path / "c"), "--resume"])
   np.testing.assert_allclose(other["losses"], full["losses"][2:], rtol=1e-5)
   # Step 4's checkpoint exists in "a"; resuming at 4 of 3 runs nothing.
-  assert train.main(PP + ["--steps", "3", "--ckpt-dir", str(tmp_path / "a"), "--resume"])["losses"] == []
+  again = train.main(PP + ["--steps", "3", "--ckpt-dir", str(tmp_path / "a"), "--resume"])
+  assert again["losses"] == []
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
