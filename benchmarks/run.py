@@ -174,8 +174,9 @@ def _setup_cpu(small: bool):
 
 
 def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = False,
-            attention: str | None = None, seq_len: int = 0, remat: bool = False):
-  config = _preset(model, n_stages, balanced)
+            attention: str | None = None, seq_len: int = 0, remat: bool = False,
+            layers: int = 0):
+  config = _preset(model, n_stages, balanced, layers)
   if remat:
     if not hasattr(config, "remat"):
       raise ValueError(f"+ac checkpoints the blocks of the Qwen3 models; {model} has no remat")
@@ -190,14 +191,18 @@ def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = Fals
   return config
 
 
-def _preset(model: str, n_stages: int, balanced: bool):
+def _preset(model: str, n_stages: int, balanced: bool, layers: int = 0):
   import jax.numpy as jnp
   from examples import gpt, moe, qwen3
   if model.startswith("qwen3"):
     # The tiny presets: 8 layers, so every variant (up to 4 ranks x 2 stages) runs.
     kw = (dict(n_layers=8) if model.endswith("tiny") else
           dict(dtype=jnp.bfloat16, param_dtype=jnp.float32))
+    if layers:  # the preset's shapes with fewer (or more) blocks, to fit fewer GPUs
+      kw["n_layers"] = layers
     return qwen3.get_config(model, n_stages=n_stages, **kw)
+  if layers:
+    raise ValueError(f"--layers sets the blocks of a Qwen3 preset; {model} is not one")
   if model.startswith("moe-"):
     if model == "moe-tiny":
       return moe.get_config("tiny", n_stages=n_stages, n_layers=4, n_experts=8)
@@ -223,7 +228,7 @@ def _fsdp_spec(x, n):
 
 
 def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero: int = 0,
-          attention: str | None = None, seq_len: int = 0):
+          attention: str | None = None, seq_len: int = 0, layers: int = 0):
   """(config, Flax model, piper-jax directives or None for a baseline) of a variant on n devices."""
   import piper_jax as pj
   from examples import gpt, moe, qwen3
@@ -234,13 +239,13 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
   config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods,
                    remat="ac" in mods,
-                   attention=attention, seq_len=seq_len)
-  layers = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
-  if layers:
-    if len(layers[0]) != n_stages or sum(layers[0]) != config.n_layers:
+                   attention=attention, seq_len=seq_len, layers=layers)
+  split = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
+  if split:
+    if len(split[0]) != n_stages or sum(split[0]) != config.n_layers:
       raise ValueError(f"{variant!r}: +L needs {n_stages} stages' blocks summing to "
-                       f"{config.n_layers}, got {layers[0]}")
-    config = dataclasses.replace(config, stage_layers=layers[0])
+                       f"{config.n_layers}, got {split[0]}")
+    config = dataclasses.replace(config, stage_layers=split[0])
   family = _family(model)
   net = (family.make_model(config) if family is qwen3
          else moe.MoEGPT(config) if family is moe else gpt.GPT(config))
@@ -312,33 +317,43 @@ def init_params(family, net, seed: int = 0):
   program per distinct shape: ones for norm scales, zeros for biases, N(0, 0.02)
   otherwise. Flax's init compiles every initializer into one program, which took XLA
   94 s for the 8B-shaped Qwen3 on an H200; timing does not depend on the values. On
-  CPU (the small runs the tests compare) it is Flax's init itself."""
+  CPU (the small runs the tests compare) it is Flax's init itself.
+
+  Every leaf is made sharded over all devices (its largest divisible dimension), never
+  whole on device 0 (33 GB for the 8B shape): a multi-GPU step that finds too little
+  memory hangs in its first call instead of failing (`first_step.py --keep-unsharded`)."""
   import functools
 
   import jax
   import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
 
   root = jax.random.PRNGKey(seed)
   if jax.default_backend() == "cpu":
     return family.init_params(net, root)
   shapes = jax.eval_shape(lambda r: family.init_params(net, r), root)
+  mesh = Mesh(np.array(jax.devices()), ("d",))
 
-  @functools.partial(jax.jit, static_argnums=(1, 2))
-  def normal(key, shape, dtype):
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  @functools.cache
+  def normal(shape, dtype, spec):
+    return jax.jit(lambda key: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype),
+                   out_shardings=NamedSharding(mesh, spec))
 
   def leaf(i, path, s):
     name = str(getattr(path[-1], "key", ""))
+    spec = _fsdp_spec(s, mesh.size)
     if name in ("scale", "bias"):
-      return (jnp.ones if name == "scale" else jnp.zeros)(s.shape, s.dtype)
-    return normal(jax.random.fold_in(root, i), s.shape, s.dtype)
+      fill = jnp.ones if name == "scale" else jnp.zeros
+      return fill(s.shape, s.dtype, device=NamedSharding(mesh, spec))
+    return normal(s.shape, s.dtype, spec)(jax.random.fold_in(root, i))
 
   flat, tree = jax.tree_util.tree_flatten_with_path(shapes)
   return jax.tree_util.tree_unflatten(tree, [leaf(i, p, s) for i, (p, s) in enumerate(flat)])
 
 
 def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
-              zero: int = 0, attention: str | None = None, seq_len: int = 0):
+              zero: int = 0, attention: str | None = None, seq_len: int = 0, layers: int = 0):
   """Builds one variant's training step on this process's devices.
 
   Returns (call, state, batches, config, sim): `call(state, batch) -> (state, loss)`,
@@ -354,7 +369,8 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   devices = jax.devices()
   n = len(devices)
   base, mods = split_variant(variant)
-  config, net, directives = build(variant, model, n, microbatches, pp, zero, attention, seq_len)
+  config, net, directives = build(variant, model, n, microbatches, pp, zero, attention, seq_len,
+                                   layers)
   family = step_family(model)
   loss_fn = family.loss_fn(net)
   params = init_params(family, net)
@@ -442,7 +458,8 @@ def _progress(text: str):
 
 
 def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
-                pp: int = 2, zero: int = 0, attention: str | None = None, seq_len: int = 0):
+                pp: int = 2, zero: int = 0, attention: str | None = None, seq_len: int = 0,
+                layers: int = 0):
   """Runs one variant in this process; returns its row."""
   import jax
   import numpy as np
@@ -453,7 +470,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   n = len(devices)
   t_start = time.perf_counter()
   call, state, batches, config, sim = make_step(variant, model, batch, microbatches, pp, zero,
-                                                attention, seq_len)
+                                                attention, seq_len, layers)
   tokens = batch * config.seq_len
   _progress(f"{variant}: built in {time.perf_counter() - t_start:.1f} s")
 
@@ -523,6 +540,7 @@ def _child(args, variant, model):
          "--steps", str(args.steps), "--warmup", str(args.warmup), "--pp", str(args.pp),
          "--zero", str(args.zero)] + (["--small"] if args.small else [])
   cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
+  cmd += ["--layers", str(args.layers)] if args.layers else []
   cmd += ["--attention", args.attention] if args.attention else []
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   if "xla" in split_variant(variant)[1]:  # process-wide XLA options, such as the allocator
@@ -619,6 +637,8 @@ def main(argv=None):
                   help="for each variant, the largest global batch it fits: --batch, doubled "
                        "(one process per try) until a try runs out of memory or passes this")
   ap.add_argument("--seq-len", type=int, default=0, help="override the model's sequence length")
+  ap.add_argument("--layers", type=int, default=0,
+                  help="blocks of a Qwen3 preset (its shapes cut to fit fewer GPUs)")
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -645,7 +665,7 @@ def main(argv=None):
   _setup_cpu(args.small)
   if args.child:
     row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,
-                      args.pp, args.zero, args.attention, args.seq_len)
+                      args.pp, args.zero, args.attention, args.seq_len, args.layers)
     print("ROW " + json.dumps(row), flush=True)
     return row
   rows = []

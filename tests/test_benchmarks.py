@@ -167,6 +167,26 @@ def test_qwen3_presets_in_run():
   assert run.baseline_row(rows, "zero1", "qwen3-8b") == ("gspmd-fsdp", None)
   with pytest.raises(ValueError, match=r"\+ac checkpoints the blocks of the Qwen3 models"):
     run.build("dp+ac", "tiny", 8, 1)
+  # --layers: a preset's shapes with fewer blocks (the 8B on 2 GPUs); Qwen3 presets only.
+  config = run._config("qwen3-8b", 2, layers=8)
+  assert config.n_layers == 8 and config.d_model == 4096 and config.stage_bounds[1] == (4, 8)
+  with pytest.raises(ValueError, match="--layers sets the blocks of a Qwen3 preset"):
+    run._config("268m", 1, layers=8)
+
+
+@pytest.mark.timeout(200)
+def test_first_step_rows(tmp_path):
+  # first_step.py: a case that runs gives its times and XLA's count of its memory.
+  out = tmp_path / "f.json"
+  script = os.path.join(ROOT, "benchmarks", "first_step.py")
+  proc = subprocess.run(
+      [sys.executable, script, "--model", "qwen3-tiny", "--layers", "1", "--modes", "fwd",
+       "--steps", "2", "--out", str(out)],
+      capture_output=True, text=True, timeout=180, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (row,) = json.loads(out.read_text())
+  assert row["mode"] == "fwd" and row["layers"] == 1 and "error" not in row, row
+  assert row["step_ms"] > 0 and row["xla_gib"] > 0 and row["first_step_s"] >= row["first_call_s"]
 
 
 def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
