@@ -292,7 +292,12 @@ class Program:
     return [spec.params[i] for i in self.ad[region].diff_params]
 
   def _plan_grads(self):
-    """Positions of the per-leaf gradient accumulators, shared across ranks by shape.
+    """Positions of the per-leaf gradient accumulators, shared across ranks by size.
+
+    The sums are flat, so that leaves of one size on different ranks share a position
+    whatever their shapes (a model's embedding [V, D] on the first rank and its head
+    [D, V] on the last): every rank holds every position, and by shape each would
+    hold both.
 
     Split leaves (shard / shard_tensor) come last, at the positions of their
     pieces in the layout: `split_grad0 + layout.split_pos[p]`.
@@ -306,7 +311,7 @@ class Program:
         if p in layout.split:
           split_leaves[p] = rank
         elif all(k != p for k, _ in per_rank[rank]):
-          per_rank[rank].append((p, jax.ShapeDtypeStruct(self.model.params[p].shape,
+          per_rank[rank].append((p, jax.ShapeDtypeStruct((self.model.params[p].size,),
                                                           jnp.dtype(self.model.params[p].dtype))))
     self.grad_positions, self.grad_where = match_positions(per_rank)
     self.split_grad0 = len(self.grad_positions)
@@ -651,7 +656,7 @@ class Program:
       if pos >= self.split_grad0:
         split_acc[pos] = split_acc[pos] + g.astype(split_acc[pos].dtype)
       elif self.layout.zero < 2:
-        acc[pos] = acc[pos] + g.astype(acc[pos].dtype)
+        acc[pos] = acc[pos] + jnp.ravel(g).astype(acc[pos].dtype)
       else:
         segment_grads[pos] = g.astype(self.grad_positions[pos][1])
     if segment_grads:
@@ -831,6 +836,8 @@ class Program:
         g, old = by_pos.get(pos), ops["acc"].get(pos)
         if g is not None:
           g = g.astype(self.grad_positions[pos][1])
+          if pos < self.split_grad0:  # per-leaf sums are flat; split pieces keep their shape
+            g = jnp.ravel(g)
           grads[pos] = g if old is None else old + g
         elif pos < self.split_grad0 and pos not in self.owned[rank]:
           grads[pos] = filler(self.grad_positions[pos])
