@@ -24,7 +24,9 @@ sys.path.insert(0, HERE)
 import run  # noqa: E402
 
 
-def predict(path: str, link_bytes_per_s: float) -> list[dict]:
+def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0) -> list[dict]:
+  """Rows of estimates for a raw file; `seq_len` and `layers` stand in for a file whose
+  meta does not say them (run.py's before it recorded them)."""
   import jax
   import optax
 
@@ -44,9 +46,10 @@ def predict(path: str, link_bytes_per_s: float) -> list[dict]:
     # cuDNN's fused attention keeps no T x T scores; traced on a CPU, XLA's attention
     # recomputed in the backward keeps the same values.
     attention = "xla+remat" if r.get("attention", "cudnn") == "cudnn" else r["attention"]
-    seq_len = r.get("seq_len", meta.get("seq_len", 0)) or 0
     config, net, directives = run.build(variant, model, n, meta["microbatches"], pp,
-                                        attention=attention, seq_len=seq_len)
+                                        attention=attention,
+                                        seq_len=meta.get("seq_len") or seq_len,
+                                        layers=meta.get("layers") or layers)
     family = run.step_family(model)
     key = jax.random.PRNGKey(0)
     params = jax.eval_shape(lambda: family.init_params(net, key))
@@ -65,6 +68,8 @@ def predict(path: str, link_bytes_per_s: float) -> list[dict]:
                 "measured_gib": r.get("peak_gib"), "predicted_gib": m.total / 2**30,
                 "params_gib": m.params / 2**30, "grads_gib": m.grads / 2**30,
                 "optimizer_gib": m.optimizer / 2**30, "activations_gib": m.activations / 2**30,
+                "copies_gib": m.weight_copies / 2**30, "working_gib": m.working / 2**30,
+                "grads_with_activations": m.grads_with_activations,
                 "measured_ms": r["step_ms"],
                 "predicted_ms": est.step_time * 1e3 if base is not None else None})
   return out
@@ -75,15 +80,21 @@ def main(argv=None):
   ap.add_argument("files", nargs="+", help="raw JSON files of run.py")
   ap.add_argument("--link-gbps", type=float, default=300.0,
                   help="bytes per second one GPU sends, in GB/s (NVLink hosts: ~300)")
+  ap.add_argument("--seq-len", type=int, default=0,
+                  help="the sequence length of files whose meta lacks it")
+  ap.add_argument("--layers", type=int, default=0,
+                  help="the Qwen3 blocks of files whose meta lacks them")
   args = ap.parse_args(argv)
   run._setup_cpu(True)
   print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
-        "activations) | step ms measured | predicted |")
+        "activations, weight copies, working; grads beside activations or the larger) | "
+        "step ms measured | predicted |")
   print("| --- | --- | --- | --- | --- | --- |")
   for path in args.files:
-    for p in predict(path, args.link_gbps * 1e9):
+    for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers):
       parts = ", ".join(f"{p[k]:.2f}" for k in ("params_gib", "grads_gib", "optimizer_gib",
-                                                "activations_gib"))
+                                                "activations_gib", "copies_gib", "working_gib"))
+      parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
       pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
       measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"
       print(f"| {p['model']} | {p['variant']} | {measured} | {p['predicted_gib']:.2f} ({parts}) "

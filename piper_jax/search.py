@@ -64,16 +64,34 @@ class CostModel:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-  """Peak bytes on the busiest device of a candidate, by kind."""
+  """Peak bytes on the busiest device of a candidate, by kind.
+
+  Attributes:
+    params, grads, optimizer: the device's parameters (with ZeRO-3's gathered
+      weights), gradients and optimizer state.
+    activations: what forward passes keep for their backward passes, at their peak.
+    weight_copies: the weights cast once per step to the dtype the model reads them in
+      (a pipeline keeps them for the whole step).
+    working: the largest backward's own working set beyond what its forward kept (it
+      recomputes what remat dropped and makes its cotangents).
+    grads_with_activations: gradients live beside the activations (a pipeline or
+      accumulation over microbatches); else a single backward frees activations as it
+      makes gradients and the peak holds the larger of the two.
+  """
 
   params: int
   grads: int
   optimizer: int
   activations: int
+  weight_copies: int = 0
+  working: int = 0
+  grads_with_activations: bool = True
 
   @property
   def total(self) -> int:
-    return self.params + self.grads + self.optimizer + self.activations
+    live = (self.grads + self.activations if self.grads_with_activations
+            else max(self.grads, self.activations))
+    return self.params + self.optimizer + self.weight_copies + self.working + live
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +242,7 @@ class _Model:
   pp: tuple[int, ...]               # the model's PP indices, in order (empty: no pipeline)
   pp_flops: Mapping[int, float]     # PP index -> forward FLOPs of its regions
   opt_ratio: float                  # optimizer-state bytes per parameter byte
+  copy_ratio: Mapping[int, float]   # leaf -> bytes of its cast copy per byte (leaves cast once a step)
   runner: RegionRunner = dataclasses.field(repr=False, compare=False)
   ep_regions: frozenset[int] = frozenset()  # regions annotated "EP" (experts)
   n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
@@ -259,7 +278,9 @@ def _measure(loss_fn, optimizer, params, example_batch) -> _Model:
                          for p in spec.regions[r].params if spec.params[p].shape])
   tp_size = math.gcd(*[s.shape[d] for s in spec.params if s.names
                        for d, name in enumerate(s.names) if name == "tp"])
-  return _Model(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1),
+  copy_ratio = {p: np.dtype(to).itemsize / np.dtype(spec.params[p].dtype).itemsize
+                for p, to in traced.param_casts().items()}
+  return _Model(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1), copy_ratio,
                 RegionRunner(traced), ep_regions, n_experts, tp_size)
 
 
@@ -461,6 +482,7 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
   n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
   f = (n - 1) / n
   act = model.act_bytes(remat)
+  full = model.act_bytes(False) if remat else act
   peak = MemoryEstimate(0, 0, 0, 0)
   comm = 0.0
   pipelined = mesh.n_pp > 1
@@ -477,17 +499,26 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
     p_bytes = sum(spec.params[p].nbytes for p in leaves)
     pieces = [(spec.params[p].nbytes / g, n // g) for p, g in group.items()]
     by_zero = lambda stage: sum(b / (c if zero >= stage else 1) for b, c in pieces)
-    region_p = [sum(spec.params[p].nbytes for p in spec.regions[r].params if p not in group)
-                for r in regions]
-    # ZeRO-3 keeps a pipeline stage's weights gathered between its microbatches; without
-    # a pipeline it gathers one region at a time.
-    gathered = (p_bytes if pipelined else max(region_p, default=0)) if zero >= 3 else 0
-    params = int(p_bytes / (n if zero >= 3 else 1) + by_zero(3)) + gathered
+    # A leaf's bytes in the dtype the model reads it in (cast once a step).
+    read = lambda p: spec.params[p].nbytes * model.copy_ratio.get(p, 1.0)
+    region_read = [sum(read(p) for p in spec.regions[r].params if p not in group)
+                   for r in regions]
+    # ZeRO-3 gathers weights in the dtype they are read in and keeps a pipeline stage's
+    # gathered between its microbatches; without a pipeline it gathers one region at a time.
+    gathered = (sum(read(p) for p in leaves) if pipelined else max(region_read, default=0)
+                ) if zero >= 3 else 0
+    # Below ZeRO-3 a pipeline casts its weights once a step and keeps the copies.
+    copies = int(sum(read(p) for p in leaves if p in model.copy_ratio)
+                 ) if pipelined and zero < 3 else 0
+    params = int(p_bytes / (n if zero >= 3 else 1) + by_zero(3) + gathered)
     grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))
     opt = int((p_bytes / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
     acts = _peak_activations(plan, report, rank, {r: int(act[r] * scale) for r in regions})
-    mem = MemoryEstimate(params, grads, opt, acts)
+    # A backward under remat first recomputes what its forward dropped.
+    working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
+    mem = MemoryEstimate(params, grads, opt, acts, copies, working,
+                         grads_with_activations=pipelined or m > 1)
     if mem.total > peak.total:
       peak = mem
     # Data-parallel traffic per device: ZeRO 0/1 reduce once a step and (ZeRO-1) gather

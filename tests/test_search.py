@@ -193,6 +193,37 @@ def test_estimate_divides_state_by_zero_stage():
   assert m0.activations == m1.activations > 0 and est[0].step_time > 0
   pipe = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
   assert pipe.bubble_fraction > 0 and pipe.memory.params < m0.params
+  # One backward frees activations as it makes gradients: without accumulation the peak
+  # holds the larger of the two; accumulating over microbatches or a pipeline, both.
+  assert not m0.grads_with_activations
+  assert m0.total == m0.params + m0.optimizer + max(m0.grads, m0.activations)
+  acc = pj.strategies.estimate(loss, tx, params, batch,
+                               [pj.split(2)] + pj.strategies.data_parallel(2), 2).memory
+  assert acc.grads_with_activations and acc.total == sum(
+      (acc.params, acc.grads, acc.optimizer, acc.activations, acc.weight_copies, acc.working))
+  assert pipe.memory.grads_with_activations and pipe.memory.weight_copies == 0  # fp32 reads
+  # Under remat (a pipeline's default) a backward first recomputes what its forward dropped.
+  assert pipe.memory.working > 0
+
+
+@pytest.mark.timeout(60)
+def test_cast_weights_count_once_in_pipelines():
+  # A bf16-compute model with fp32 masters: a pipeline keeps each weight's bf16 copy for
+  # the step (half its bytes), and ZeRO-3 gathers weights in bf16.
+  import jax.numpy as jnp
+  loss, params, batch = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2, dtype=jnp.bfloat16)), 16)
+  tx = optax.sgd(1e-3)
+  pipe = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
+  m = pipe.memory
+  assert 0 < m.weight_copies <= m.params / 2 + 1
+  fp32 = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2)), 16)
+  gathered = []
+  for loss, params, batch in (fp32, (loss, params, batch)):
+    z3, z0 = (pj.strategies.estimate(loss, tx, params, batch,
+                                     pj.strategies.data_parallel(2, zero=z), 2).memory
+              for z in (3, 0))
+    gathered.append(z3.params - z0.params / 2)  # beside its shard, the largest region
+  assert gathered[1] == pytest.approx(gathered[0] / 2, rel=0.01)
 
 
 @pytest.mark.timeout(90)
