@@ -648,16 +648,20 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   and pipeline activations and their cotangents. Elementwise work, attention's
   non-matmul cost and compute/communication overlap are left out.
 
-  Peak memory per device (the busiest pipeline rank): its regions' parameters (as
-  given: fp32 masters stay fp32), gradients of the same size, and optimizer state
-  (`jax.eval_shape(optimizer.init, params)`, spread over the parameters in proportion),
-  each divided over the data-parallel replicas by ZeRO (1: optimizer state, 2: and
-  gradients, 3: and parameters, plus the gathered weights of a pipeline stage or,
-  without a pipeline, of the largest region); plus activations: per (region,
-  microbatch), the residuals its F stores for B (`remat` as `pj.compile` applies it:
-  default on for pipelines) and its activation inputs, alive from the end of its F to
-  the end of its last backward in the simulation, summed at their peak. XLA's
-  temporaries, communication buffers and fragmentation are left out: leave headroom.
+  Peak memory per device (the busiest pipeline rank, `MemoryEstimate`): its regions'
+  parameters (as given: fp32 masters stay fp32), gradients of the same size, and
+  optimizer state (`jax.eval_shape(optimizer.init, params)`, spread over the parameters
+  in proportion), each divided over the data-parallel replicas by ZeRO (1: optimizer
+  state, 2: and gradients, 3: and parameters, plus the weights gathered in the dtype the
+  model reads them in: a pipeline stage's, or without a pipeline the largest region's);
+  plus activations: per (region, microbatch), the residuals its F stores for B (`remat`
+  as `pj.compile` applies it: default on for pipelines) and its activation inputs, alive
+  from the end of its F to the end of its last backward in the simulation, summed at
+  their peak. Without accumulation or a pipeline, gradients and activations count as
+  the larger of the two (one backward frees the one as it makes the other). A pipeline
+  also keeps its weights cast once a step (the bf16 copies of fp32 masters) and, under
+  remat, the largest backward's recomputed residuals. XLA's temporaries, communication
+  buffers and fragmentation are left out: leave headroom.
 
   Args:
     loss_fn, optimizer, params, example_batch: as `pj.compile` takes them (shapes are
