@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -52,6 +52,21 @@ class CompiledMemory:
       raise NotImplementedError("XLA has no memory analysis on this platform")
     return cls(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
                int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
+
+  def shortfall(self, stats: Sequence[Mapping[str, int]]) -> str | None:
+    """Why devices with these allocator stats (`Device.memory_stats()`, one per device)
+    cannot run the step once its state is on them, or None when each has room.
+
+    A run needs, beyond the state and batch it is given, its temporaries and the outputs
+    not written over the donated state."""
+    need = self.outputs - self.aliased + self.temporaries
+    for i, st in enumerate(stats):
+      limit, used = st.get("bytes_limit"), st.get("bytes_in_use", 0)
+      if limit and need > limit - used:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"
+        return (f"the step needs {gib(need)} per device beyond its state, but device {i} has "
+                f"{gib(limit - used)} free of its allocator's {gib(limit)} ({gib(used)} in use)")
+    return None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -333,7 +348,22 @@ class TrainStep:
     return self._batch_sharding
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
-    """One training step: returns the new state and the mean loss over the batch."""
+    """One training step: returns the new state and the mean loss over the batch.
+
+    Raises:
+      MemoryError: on GPUs, before the first step, when a device has too little free
+        memory for it: a step over several GPUs that runs short can hang instead of
+        failing.
+    """
+    if self._compiled is None and len(self.devices) > 1 and self.devices[0].platform == "gpu":
+      local = [d for d in self.devices if d.process_index == jax.process_index()]
+      problem = self.memory().shortfall([d.memory_stats() or {} for d in local])
+      if problem:
+        raise MemoryError(
+            f"{problem}. Not started: free the arrays kept on the devices (parameters made "
+            f"whole on one device and then sharded, earlier states), lower the batch or use "
+            f"more microbatches, or let JAX's allocator take more of each device "
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     return (self._compiled or self._step)(state, self._batch_leaves(batch))
 
   @property

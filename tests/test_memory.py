@@ -164,3 +164,18 @@ def test_zero3_kept_gathered_gives_one_devices_numbers():
   assert_same_run(mlp_loss(2), init_mlp(jax.random.PRNGKey(0), 2),
                   pj.strategies.data_parallel(4, zero=3),
                   options=pj.LoweringOptions(zero3_reshard=False))
+
+
+def test_a_device_short_of_memory_is_named_before_the_step():
+  # On GPUs the step compares XLA's count with each device's free memory before its
+  # first call (a multi-GPU step short of memory can hang): the shortfall names the
+  # device, what the step needs and what it has.
+  from piper_jax.compile import CompiledMemory
+  gib = 2**30
+  m = CompiledMemory(arguments=6 * gib, outputs=6 * gib, aliased=6 * gib, temporaries=5 * gib)
+  assert m.shortfall([{"bytes_limit": 10 * gib, "bytes_in_use": 4 * gib}]) is None
+  assert m.shortfall([{}]) is None  # no allocator stats (CPU): nothing to compare
+  said = m.shortfall([{"bytes_limit": 10 * gib, "bytes_in_use": 4 * gib},
+                      {"bytes_limit": 10 * gib, "bytes_in_use": 6 * gib}])
+  assert said == ("the step needs 5.0 GiB per device beyond its state, but device 1 has "
+                  "4.0 GiB free of its allocator's 10.0 GiB (6.0 GiB in use)")
