@@ -36,6 +36,7 @@ def child(args):
   import numpy as np
   import optax
 
+  from benchmarks.run import loop_steps
   from examples import qwen3
 
   faulthandler.dump_traceback_later(args.stack_after, exit=False)
@@ -88,19 +89,8 @@ def child(args):
         flush=True)
   loss.block_until_ready()
   row["first_step_s"] = time.perf_counter() - t0
-  host, done, prev = [], [], None
-  for _ in range(args.steps + 1):
-    t0 = time.perf_counter()
-    state, loss = compiled(state, batch)
-    host.append(time.perf_counter() - t0)
-    if prev is not None:
-      prev.block_until_ready()
-      done.append(time.perf_counter())
-    prev = loss
-  loss.block_until_ready()
-  done.append(time.perf_counter())
-  row["host_ms"] = float(np.median(host)) * 1e3
-  row["step_ms"] = float(np.median(np.diff(done))) * 1e3
+  state, loss, step_s, host_s = loop_steps(compiled, state, [batch], args.steps)
+  row["host_ms"], row["step_ms"] = host_s * 1e3, step_s * 1e3
   row["peak_gib"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0)
                         for d in jax.local_devices()) / 2**30
   print("ROW " + json.dumps(row), flush=True)

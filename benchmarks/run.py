@@ -452,6 +452,26 @@ def _compiled(call, state, batch):
     return compiled, 0
 
 
+def loop_steps(call, state, batches, steps: int):
+  """`steps` timed steps as a training loop runs them: each step's call is made before
+  the previous step's loss is waited for, so the host prepares step i + 1 while the GPU
+  runs step i. Returns (state, last loss, the median seconds from one loss being ready
+  to the next, the median seconds until a call returns)."""
+  import numpy as np
+  done, dispatch, prev = [], [], None
+  for i in range(steps + 1):
+    t0 = time.perf_counter()
+    state, loss = call(state, batches[i % len(batches)])
+    dispatch.append(time.perf_counter() - t0)  # until the call returns, before the GPU ends
+    if prev is not None:
+      prev.block_until_ready()
+      done.append(time.perf_counter())
+    prev = loss
+  loss.block_until_ready()
+  done.append(time.perf_counter())
+  return state, loss, float(np.median(np.diff(done))), float(np.median(dispatch))
+
+
 def _progress(text: str):
   """A line on stderr that the parent quotes when this child runs past --timeout."""
   print(f"[run] {text}", file=sys.stderr, flush=True)
@@ -489,21 +509,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   for i in range(warmup):
     state, loss = call(state, batches[(i + 1) % len(batches)])
   loss.block_until_ready()
-  # Steps as a training loop runs them: each step's call is made before the previous
-  # step's loss is waited for, so the host prepares step i + 1 while the GPU runs step
-  # i, and a step's time is from one loss being ready to the next.
-  done, dispatch, prev = [], [], None
-  for i in range(steps + 1):
-    t0 = time.perf_counter()
-    state, loss = call(state, batches[i % len(batches)])
-    dispatch.append(time.perf_counter() - t0)  # until the call returns, before the GPU ends
-    if prev is not None:
-      prev.block_until_ready()
-      done.append(time.perf_counter())
-    prev = loss
-  loss.block_until_ready()
-  done.append(time.perf_counter())
-  step_s = float(np.median(np.diff(done)))
+  state, loss, step_s, dispatch_s = loop_steps(call, state, batches, steps)
   # The same steps with the host waiting for each before calling the next: the GPU
   # idles while the host launches the step's first work.
   blocked = []
@@ -524,7 +530,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   mfu = fpt * tps / (n * peak_flops) if peak_flops else None
   return {"variant": variant, "model": model, "devices": n, "device_kind": kind,
           "step_ms": step_s * 1e3, "step_ms_blocked": float(np.median(blocked)) * 1e3,
-          "dispatch_ms": float(np.median(dispatch)) * 1e3,
+          "dispatch_ms": dispatch_s * 1e3,
           "tokens_per_s": tps, "mfu": mfu,
           "peak_gib": peak / 2**30 if peak else None,
           "xla_gib": xla_bytes / 2**30,
