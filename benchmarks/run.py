@@ -246,9 +246,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
       raise ValueError(f"{variant!r}: +L needs {n_stages} stages' blocks summing to "
                        f"{config.n_layers}, got {split[0]}")
     config = dataclasses.replace(config, stage_layers=split[0])
-  family = _family(model)
-  net = (family.make_model(config) if family is qwen3
-         else moe.MoEGPT(config) if family is moe else gpt.GPT(config))
+  net = make_net(model, config)
   if base in BASELINES:
     return config, net, None
   reduce_dtype = "bfloat16" if "rbf16" in mods else None
@@ -265,6 +263,14 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   if "ep" in mods:  # experts split over each rank's data-parallel group
     directives.append(pj.shard({"EP": "*"}, list(range(n))))
   return config, net, directives
+
+
+def make_net(model: str, config):
+  """The Flax model of a run.py model name with `config`."""
+  from examples import gpt, moe, qwen3
+  family = _family(model)
+  return (family.make_model(config) if family is qwen3
+          else moe.MoEGPT(config) if family is moe else gpt.GPT(config))
 
 
 def accumulated_value_and_grad(loss_fn, accumulate: int):

@@ -242,3 +242,16 @@ def test_plot_draws_the_tables(tmp_path):
       ("2 x H200, 268M", "1: pp-1f1b 16 / 8", 0.68, False, None)]
   plot.draw(found, str(tmp_path / "r.png"))
   assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_pick_names_run_variants_of_search_candidates():
+  # pick.py sets strategies.search's candidates beside run.py's rows of the same strategy.
+  import types
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import pick
+  c = lambda schedule, dp, zero, mb: types.SimpleNamespace(schedule=schedule, dp=dp, zero=zero,
+                                                          n_microbatches=mb)
+  assert pick.variant_of(c("dp", 4, 1, 1)) == "zero1" and pick.variant_of(c("dp", 4, 0, 1)) == "dp"
+  assert pick.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
+  assert pick.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
+  assert pick.variant_of(c("dualpipev", 1, 0, 8)) == "pp-dualpipev"
