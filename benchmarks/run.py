@@ -175,8 +175,8 @@ def _setup_cpu(small: bool):
 
 def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = False,
             attention: str | None = None, seq_len: int = 0, remat: bool = False,
-            layers: int = 0):
-  config = _preset(model, n_stages, balanced, layers)
+            layers: int = 0, stage_layers: tuple[int, ...] | None = None):
+  config = _preset(model, n_stages, balanced, layers, stage_layers)
   if remat:
     if not hasattr(config, "remat"):
       raise ValueError(f"+ac checkpoints the blocks of the Qwen3 models; {model} has no remat")
@@ -191,28 +191,31 @@ def _config(model: str, n_stages: int, balanced: bool = False, bf16: bool = Fals
   return config
 
 
-def _preset(model: str, n_stages: int, balanced: bool, layers: int = 0):
+def _preset(model: str, n_stages: int, balanced: bool, layers: int = 0,
+            stage_layers: tuple[int, ...] | None = None):
   import jax.numpy as jnp
   from examples import gpt, moe, qwen3
+  # Stages of uneven blocks are set as the config is made: its check refuses stages that
+  # do not divide the blocks evenly otherwise.
+  staged = dict(n_stages=n_stages, stage_layers=stage_layers)
   if model.startswith("qwen3"):
     # The tiny presets: 8 layers, so every variant (up to 4 ranks x 2 stages) runs.
     kw = (dict(n_layers=8) if model.endswith("tiny") else
           dict(dtype=jnp.bfloat16, param_dtype=jnp.float32))
     if layers:  # the preset's shapes with fewer (or more) blocks, to fit fewer GPUs
       kw["n_layers"] = layers
-    return qwen3.get_config(model, n_stages=n_stages, **kw)
+    return qwen3.get_config(model, **staged, **kw)
   if layers:
     raise ValueError(f"--layers sets the blocks of a Qwen3 preset; {model} is not one")
   if model.startswith("moe-"):
     if model == "moe-tiny":
-      return moe.get_config("tiny", n_stages=n_stages, n_layers=4, n_experts=8)
-    return moe.get_config(model[4:], n_stages=n_stages, dtype=jnp.bfloat16,
-                          param_dtype=jnp.float32)
+      return moe.get_config("tiny", **staged, n_layers=4, n_experts=8)
+    return moe.get_config(model[4:], **staged, dtype=jnp.bfloat16, param_dtype=jnp.float32)
   # tiny: 8 layers, so every variant (up to 4 ranks x 2 stages) trains the same model.
   kw = (dict(n_layers=8) if model == "tiny" else
         dict(dtype=jnp.bfloat16, param_dtype=jnp.float32))
-  config = gpt.get_config(model, n_stages=n_stages, **kw)
-  if not balanced or n_stages == 1:
+  config = gpt.get_config(model, **staged, **kw)
+  if not balanced or n_stages == 1 or stage_layers:
     return config
   return dataclasses.replace(config, stage_layers=gpt.balanced_stage_layers(config, n_stages))
 
@@ -237,15 +240,15 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   pipe = parse_pipeline(base, zero)
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
   n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
-  config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods,
-                   remat="ac" in mods,
-                   attention=attention, seq_len=seq_len, layers=layers)
   split = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
   if split:
-    if len(split[0]) != n_stages or sum(split[0]) != config.n_layers:
+    n_layers = _config(model, 1, layers=layers).n_layers
+    if len(split[0]) != n_stages or sum(split[0]) != n_layers:
       raise ValueError(f"{variant!r}: +L needs {n_stages} stages' blocks summing to "
-                       f"{config.n_layers}, got {split[0]}")
-    config = dataclasses.replace(config, stage_layers=split[0])
+                       f"{n_layers}, got {split[0]}")
+  config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods,
+                   remat="ac" in mods, attention=attention, seq_len=seq_len, layers=layers,
+                   stage_layers=split[0] if split else None)
   net = make_net(model, config)
   if base in BASELINES:
     return config, net, None

@@ -109,6 +109,9 @@ def test_stage_layers_suffix():
   from benchmarks.run import build
   config, _, _ = build("pp-1f1b+L5-3", "tiny", 2, 2)
   assert config.stage_layers == (5, 3)
+  # Stages that do not divide the blocks evenly: 8 blocks over 3 ranks.
+  config, _, _ = build("pp-1f1b+L3-3-2", "tiny", 3, 3, pp=3)
+  assert config.n_stages == 3 and config.stage_layers == (3, 3, 2)
   _, _, (dp,) = build("dp@b1", "tiny", 8, 1)  # DP with 1 MB gradient buckets
   assert dp.bucket_mb == 1.0 and dp.zero == 0 and len(dp.devices) == 8
   with pytest.raises(ValueError, match="summing to 8"):
