@@ -698,9 +698,10 @@ def main(argv=None):
 
 def write_results(args, rows, name: str, **meta) -> str:
   """Writes {"meta", "rows"} JSON to --out, else benchmarks/<name>[_small].json."""
+  # The shape arguments a caller has (torch_peer.py has no --layers).
+  shape = {k: getattr(args, k) for k in ("pp", "seq_len", "layers") if hasattr(args, k)}
   meta = {"date": datetime.date.today().isoformat(), "batch": args.batch,
-          "microbatches": args.microbatches, "steps": args.steps, "pp": args.pp,
-          "seq_len": args.seq_len, "layers": args.layers, **meta}
+          "microbatches": args.microbatches, "steps": args.steps, **shape, **meta}
   out = args.out or os.path.join(ROOT, "benchmarks", f"{name}_small.json" if args.small else f"{name}.json")
   with open(out, "w") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -258,3 +258,17 @@ def test_pick_names_run_variants_of_search_candidates():
   assert pick.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
   assert pick.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
   assert pick.variant_of(c("dualpipev", 1, 0, 8)) == "pp-dualpipev"
+
+
+def test_results_meta_keeps_the_shape_arguments_a_script_has(tmp_path):
+  # torch_peer.py writes through run.py's write_results without run.py's --layers.
+  import argparse
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  out = tmp_path / "r.json"
+  args = argparse.Namespace(batch=8, microbatches=4, steps=3, pp=2, seq_len=4096, small=False,
+                            out=str(out))
+  run.write_results(args, [], "results_torch", torch="2.11")
+  meta = json.loads(out.read_text())["meta"]
+  assert meta["pp"] == 2 and meta["seq_len"] == 4096 and "layers" not in meta
+  assert meta["torch"] == "2.11"
