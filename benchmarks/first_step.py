@@ -63,11 +63,9 @@ def child(args):
   if args.mode == "fsdp":
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from benchmarks.run import _fsdp_spec
+    from benchmarks.run import fsdp_shardings
     mesh = Mesh(np.array(jax.devices()), ("d",))
-    spec = lambda t: jax.tree_util.tree_map(
-        lambda x: NamedSharding(mesh, _fsdp_spec(x, mesh.size) if x.ndim else P()), t)
-    state_sh = (spec(params), spec(jax.eval_shape(tx.init, params)))
+    state_sh = (fsdp_shardings(params, mesh), fsdp_shardings(jax.eval_shape(tx.init, params), mesh))
     batch_sh = NamedSharding(mesh, P("d"))
     jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                      donate_argnums=0)

@@ -220,6 +220,13 @@ def _preset(model: str, n_stages: int, balanced: bool, layers: int = 0,
   return dataclasses.replace(config, stage_layers=gpt.balanced_stage_layers(config, n_stages))
 
 
+def fsdp_shardings(tree, mesh):
+  """Plain GSPMD FSDP's sharding of every leaf of `tree` over `mesh`'s one axis "d"."""
+  import jax
+  from jax.sharding import NamedSharding
+  return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, _fsdp_spec(x, mesh.size)), tree)
+
+
 def _fsdp_spec(x, n):
   """Shard the largest dimension divisible by n over all devices (plain GSPMD FSDP)."""
   from jax.sharding import PartitionSpec as P
@@ -419,15 +426,12 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
     batches = [jax.device_put(b, NamedSharding(mesh, P("d"))) for b in batches]
   elif base in BASELINES:
     mesh = Mesh(np.array(devices), ("d",))
-    if base == "jit-dp":
-      pspec = jax.tree_util.tree_map(lambda x: P(), params)
-    else:
-      pspec = jax.tree_util.tree_map(lambda x: _fsdp_spec(x, n), params)
-    psh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), pspec)
     opt_shapes = jax.eval_shape(tx.init, params)
-    osh = jax.tree_util.tree_map(
-        lambda s: NamedSharding(mesh, _fsdp_spec(s, n) if base == "gspmd-fsdp" and s.ndim else P()),
-        opt_shapes)
+    if base == "jit-dp":
+      psh, osh = (jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), t)
+                  for t in (params, opt_shapes))
+    else:
+      psh, osh = fsdp_shardings(params, mesh), fsdp_shardings(opt_shapes, mesh)
     bsh = NamedSharding(mesh, P("d"))
     call = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
                    donate_argnums=0)
