@@ -47,12 +47,16 @@ def main(argv=None):
   import optax
 
   import piper_jax as pj
-  from hardware import memory_bytes, peak_flops
+  from hardware import memory_bytes
+  from predict import baseline_costs
   data = [json.load(open(f)) for f in args.files]
   meta = data[0]["meta"]
   rows = [r for d in data for r in d["rows"] if "error" not in r]
   model, n, kind = rows[0]["model"], rows[0]["devices"], rows[0]["device_kind"]
-  base = next(r for name in ("jit-dp", "gspmd-fsdp") for r in rows if r["variant"] == name)
+  costs, base = baseline_costs(rows, args.link_gbps * 1e9)
+  if base is None:
+    raise ValueError("the files hold no jit-dp or gspmd-fsdp row: the estimates take their "
+                     "matmul FLOP/s from the call's plain-JAX baseline; add a file with one")
   config = run._config(model, args.regions, attention="xla+remat",
                        seq_len=meta.get("seq_len") or args.seq_len,
                        layers=meta.get("layers") or args.layers)
@@ -61,8 +65,6 @@ def main(argv=None):
   key = jax.random.PRNGKey(0)
   params = jax.eval_shape(lambda: family.init_params(net, key))
   batch = jax.eval_shape(lambda: family.random_batch(config, key, meta["batch"]))
-  costs = pj.strategies.CostModel(flops_per_s=base["mfu"] * peak_flops(kind),
-                                  link_bytes_per_s=args.link_gbps * 1e9)
   found = pj.strategies.search(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
                                batch, n, memory_bytes(kind), costs=costs)
   measured = {}  # a later file's row of a variant stands for it

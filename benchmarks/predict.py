@@ -24,6 +24,20 @@ sys.path.insert(0, HERE)
 import run  # noqa: E402
 
 
+def baseline_costs(rows: list[dict], link_bytes_per_s: float):
+  """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached, that
+  baseline's row): jit DP, else GSPMD FSDP where DP does not fit; (the default FLOP/s,
+  None) for a call without one."""
+  import piper_jax as pj
+  from hardware import peak_flops
+  base = next((r for name in ("jit-dp", "gspmd-fsdp") for r in rows
+               if r["variant"] == name and "error" not in r), None)
+  if base is None or not base.get("mfu"):
+    return pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s), base
+  return pj.strategies.CostModel(flops_per_s=base["mfu"] * peak_flops(base["device_kind"]),
+                                 link_bytes_per_s=link_bytes_per_s), base
+
+
 def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0) -> list[dict]:
   """Rows of estimates for a raw file; `seq_len` and `layers` stand in for a file whose
   meta does not say them (run.py's before it recorded them)."""
@@ -34,8 +48,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
   data = json.load(open(path))
   meta, rows = data["meta"], data["rows"]
   ok = [r for r in rows if "error" not in r]
-  # The FLOP/s of the call's plain-JAX baseline: jit DP, else GSPMD FSDP where DP does not fit.
-  base = next((r for name in ("jit-dp", "gspmd-fsdp") for r in ok if r["variant"] == name), None)
+  costs, base = baseline_costs(ok, link_bytes_per_s)
   out = []
   for r in ok:
     variant = r["variant"]
@@ -54,11 +67,6 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
     key = jax.random.PRNGKey(0)
     params = jax.eval_shape(lambda: family.init_params(net, key))
     batch = jax.eval_shape(lambda: family.random_batch(config, key, meta["batch"]))
-    costs = pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s)
-    if base is not None and base.get("mfu"):
-      from hardware import peak_flops
-      costs = pj.strategies.CostModel(flops_per_s=base["mfu"] * peak_flops(base["device_kind"]),
-                                      link_bytes_per_s=link_bytes_per_s)
     mods = run.split_variant(variant)[1]
     remat = True if "remat" in mods else False if "noremat" in mods else None
     est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
