@@ -72,8 +72,8 @@ class MemoryEstimate:
     activations: what forward passes keep for their backward passes, at their peak.
     weight_copies: the weights cast once per step to the dtype the model reads them in
       (a pipeline keeps them for the whole step).
-    working: the largest backward's own working set beyond what its forward kept (it
-      recomputes what remat dropped and makes its cotangents).
+    working: what the largest backward recomputes, beyond what its forward kept, of
+      the residuals remat dropped.
     grads_with_activations: gradients live beside the activations (a pipeline or
       accumulation over microbatches); else a single backward frees activations as it
       makes gradients and the peak holds the larger of the two.
@@ -683,8 +683,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
       regions); True: only split; False: never.
     tensor_parallel: the same for tensor-parallel groups (a model with "tp" names).
     headroom: the fraction of `memory_per_device` an estimate may use: what the
-      estimate leaves out (XLA's temporaries, communication buffers, bf16 weight
-      copies) measured up to a quarter of a GPU's peak (benchmarks/RESULTS.md).
+      estimate leaves out (XLA's temporaries, communication buffers) measured up to
+      a quarter of a GPU's peak, more in pipelines (benchmarks/RESULTS.md).
 
   Returns:
     A `SearchResult`; `best.directives` go to `pj.compile` with the first
