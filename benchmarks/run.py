@@ -49,9 +49,7 @@ not the smaller ones they are cheaply made from (`LoweringOptions.slim_carry` of
 lets the rolled loop carry values up to 4 iterations (`LoweringOptions.max_carry_depth`), so that
 DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
 `+loop` lowers a pipeline as one loop over all its ticks, the plan as data
-(`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default);
-`+syncx` has the loop exchange values after the task that makes them, not beside the
-next iteration's task (`LoweringOptions.overlap_exchange` off).
+(`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default).
 `+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
 backward (`LoweringOptions.zero3_reshard` off). `+spread` stores slots whose pipeline ranks' parts
 are uneven spread over all devices (`LoweringOptions.spread_uneven_slots`).
@@ -98,7 +96,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
              "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
-             "spread", "syncx",
+             "spread",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla", "ac")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -324,7 +322,6 @@ def lowering_options(mods: list[str]):
       slim_carry="noslimcarry" not in mods,
       zero3_reshard="keepgathered" not in mods,
       spread_uneven_slots="spread" in mods,
-      overlap_exchange="syncx" not in mods,
       compiler_options={} if "nocmdbuf" in mods else None)
 
 

@@ -18,10 +18,6 @@ class LoweringOptions:
       schedule or the number of microbatches; `roll` and gradient buckets do not apply.
       Not yet for expert parallelism on GPUs: the experts' all-to-alls sit inside the
       loop's switch, which then runs from the host, several times slower than per tick.
-    overlap_exchange: the tick loop sends what an iteration made during the next
-      iteration, beside its task, instead of after the task that made it, so that
-      ranks do not wait on each other's exchange; a value reaches another rank one
-      iteration later (an empty iteration is added where a reader would wait).
     roll: run the schedule's steady state (ticks that repeat with later microbatches)
       as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
       longer compile, for a slightly lower peak).
@@ -64,7 +60,6 @@ class LoweringOptions:
   """
 
   tick_loop: bool = False
-  overlap_exchange: bool = True
   roll: bool = True
   max_carry_depth: int = 1
   remat: bool | None = None

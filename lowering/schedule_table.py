@@ -4,15 +4,17 @@
 region's F, B, BI and BW once, whatever the schedule or the number of microbatches.
 What changes from tick to tick is data, built here (numpy, no JAX):
 
-* per iteration (a sub-step of a tick: a rank may run several tasks in one tick) and
-  rank, the task kind to run (an index into `kinds`, 0 for none) and its microbatch;
+* per tick (one iteration of the loop), rank and slot, the task kind to run and its
+  microbatch: a tick runs its `n_slots` slots in order (a rank's tasks of the tick,
+  then nothing), each through the same `lax.switch` over all kinds;
 * every value a task makes or reads (an activation, a stored residual, a cotangent, a
   weight-gradient residual) lives in a `Store`, one per (shape, dtype): a buffer of
   `depth` rows plus one scratch row that values nobody reads are written to. Rows are
   given to values for the ticks they are live, so a store holds the values that are
   live at once, not one row per microbatch;
-* the values ranks exchange travel in `Round`s, one `ppermute` each per iteration, at
-  fixed positions; a rank with nothing to send sends its scratch row.
+* the values ranks exchange travel in `Round`s, one `ppermute` each as a tick ends,
+  written into the receiver's store; a rank with nothing to send in a round sends its
+  scratch row. Ranks meet once per tick, not once per task, as in the per-tick lowering.
 
 Value keys are whatever hashable keys the caller's `reads`, `produces` and `signature`
 functions use; the table only needs that a task kind reads and makes values of the
@@ -54,8 +56,8 @@ class Store:
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-  """One `ppermute` per iteration: pairs (source rank, destination rank), each rank at most
-  once on each side, and the store of each value position it carries."""
+  """One `ppermute` as each tick ends: pairs (source rank, destination rank), each rank
+  at most once on each side, and the store of each value position it carries."""
 
   perm: tuple[tuple[int, int], ...]
   stores: tuple[int, ...]
@@ -63,43 +65,41 @@ class Round:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleTable:
-  """A ticked plan as arrays indexed [iteration, rank, ...] (see the module docstring).
+  """A ticked plan as arrays indexed [tick, rank, slot, ...] (see the module docstring).
 
-  The loop runs one iteration per sub-step of each tick (a tick has as many as its
-  busiest rank has tasks); `tick[i]` / `sub[i]` say which, or -1 for an iteration
-  added only to exchange values (see `overlap`).
-  code[i, k]: 1 + the index in `kinds` of the task rank k runs in iteration i, or 0;
-  mb: its microbatch; read_rows[i, k, n] / write_rows[i, k, n]: the rows of its n-th
-  read and made value in their stores; send_rows[i, k, j, n]: the row rank k sends at
-  position n of round j in iteration i (its scratch row if it sends nothing there);
-  recv_rows[i, k, j, n]: the row rank k writes what it receives there into.
-
-  overlap: False: an iteration's rounds send what its tasks made, after them. True:
-  they send what the iteration before made, read as the iteration starts, so that the
-  exchange runs beside the iteration's tasks; what is received is written after them.
-  A value then reaches another rank two iterations after the one that makes it, and
-  an empty iteration is added where a reader would otherwise wait for it.
+  code[t, k, s]: 1 + the index in `kinds` of the task rank k runs in slot s of tick t,
+  or 0 for none; mb: its microbatch; read_rows[t, k, s, n] /
+  write_rows[t, k, s, n]: the rows of its n-th read and made value in their stores;
+  send_rows[t, k, j, n]: the row rank k sends at position n of round j in tick t (its
+  scratch row if it sends nothing there); recv_rows[t, k, j, n]: the row rank k writes
+  what it receives there into, as the tick ends.
   """
 
   kinds: tuple[TaskKind, ...]
   stores: tuple[Store, ...]
   rounds: tuple[Round, ...]
-  tick: np.ndarray
-  sub: np.ndarray
   code: np.ndarray
   mb: np.ndarray
   read_rows: np.ndarray
   write_rows: np.ndarray
   send_rows: np.ndarray
   recv_rows: np.ndarray
-  overlap: bool = False
 
   @property
   def n_iterations(self) -> int:
     return self.code.shape[0]
 
+  @property
+  def n_slots(self) -> int:
+    return self.code.shape[2]
+
   def kind_index(self, region: int, pass_) -> int:
     return next(i for i, k in enumerate(self.kinds) if (k.region, k.pass_) == (region, pass_))
+
+  def slot_of(self, tick: int, rank: int, slot: int) -> TaskKind | None:
+    """The kind rank `rank` runs in `slot` of `tick`, or None."""
+    c = int(self.code[tick, rank, slot])
+    return self.kinds[c - 1] if c else None
 
 
 @dataclasses.dataclass
@@ -136,12 +136,12 @@ def _positions(per_sender: Sequence[list[int]]) -> list[int]:
 
 
 def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any], list],
-                produces: Callable[[Any], list], signature: Callable[[Hashable], tuple],
-                overlap: bool = False) -> ScheduleTable:
+                produces: Callable[[Any], list], signature: Callable[[Hashable], tuple]
+                ) -> ScheduleTable:
   """The table of `ticks` ([tick][rank] -> tasks with `region`, `pass_`, `mb`).
 
   reads(task) / produces(task): the keys of the values a task reads / makes;
-  signature(key): the value's (shape, dtype); overlap: see `ScheduleTable`. Raises
+  signature(key): the value's (shape, dtype). Raises
   ValueError when a value is read before it is made (on another rank: in the tick it
   is made), or a task kind's values differ in signature between microbatches.
   """
@@ -165,64 +165,49 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   kind_list = sorted(kinds.values(), key=lambda k: (k.region, str(k.pass_)))
   kind_id = {(k.region, k.pass_): i for i, k in enumerate(kind_list)}
 
-  # The iterations: a tick's sub-steps, in order.
-  steps = [(ti, s) for ti, tick in enumerate(ticks)
-           for s in range(max([len(ts) for ts in tick] + [1]))]
-  made_at: dict[Hashable, tuple[int, int, int]] = {}   # key -> (rank, iteration, tick)
-  for i, (ti, s) in enumerate(steps):
-    for rank, ts in enumerate(ticks[ti]):
-      if s < len(ts):
-        for k in produces(ts[s]):
-          made_at[k] = (rank, i, ti)
-  if overlap:  # an empty iteration where another rank reads a value the iteration after
-    late = set()
-    for i, (ti, s) in enumerate(steps[1:]):
-      for rank, ts in enumerate(ticks[ti]):
-        if s < len(ts):
-          late |= {made_at[k][1] for k in reads(ts[s])
-                   if k in made_at and made_at[k][0] != rank and made_at[k][1] == i}
-    steps = [x for i, st in enumerate(steps) for x in ([st, (-1, -1)] if i in late else [st])]
-  task = {}   # (iteration, rank) -> task
-  for i, (ti, s) in enumerate(steps):
-    for rank, ts in enumerate(ticks[ti] if ti >= 0 else []):
-      if s < len(ts):
-        task[(i, rank)] = ts[s]
+  # Slots: each rank's tasks of a tick in order, then nothing.
+  n_slots = max([len(ts) for tick in ticks for ts in tick] + [1])
+  task = {(ti, r, s): t for ti, tick in enumerate(ticks) for r, ts in enumerate(tick)
+          for s, t in enumerate(ts)}   # (tick, rank, slot) -> task
 
-  # Times: iteration i's tasks run at 2i, its exchange lands at 2i + 1.
-  made: dict[Hashable, tuple[int, int]] = {}       # key -> (rank, iteration)
+  # Times: slot s of tick t runs at 2 (t S + s); a tick's rounds read what they send and
+  # write what they receive as it ends, at 2 (t S + S - 1) + 1.
+  def at(ti: int, s: int) -> int:
+    return 2 * (ti * n_slots + s)
+
+  made: dict[Hashable, tuple[int, int, int]] = {}  # key -> (rank, tick, slot)
   used: dict[tuple[Hashable, int], int] = {}       # (key, rank) -> last read time
   first: dict[tuple[Hashable, int], int] = {}      # (key, rank) -> first read time
-  for (i, rank), t in sorted(task.items()):
+  for (ti, rank, s), t in sorted(task.items(), key=lambda x: x[0]):
     for k in reads(t):
-      used[(k, rank)] = max(used.get((k, rank), 2 * i), 2 * i)
-      first[(k, rank)] = min(first.get((k, rank), 2 * i), 2 * i)
+      used[(k, rank)] = max(used.get((k, rank), at(ti, s)), at(ti, s))
+      first[(k, rank)] = min(first.get((k, rank), at(ti, s)), at(ti, s))
     for k in produces(t):
-      made[k] = (rank, i)
+      made[k] = (rank, ti, s)
   lives: dict[tuple[Hashable, int], _Life] = {}
-  sends: dict[tuple[int, int, int], list] = {}     # (iteration, src, dst) -> keys
-  for k, (rank, i) in made.items():
-    lives[(k, rank)] = _Life(k, store_of(k), 2 * i, used.get((k, rank), 2 * i))
+  sends: dict[tuple[int, int, int], list] = {}  # (tick, src, dst) -> keys
+  for k, (rank, ti, s) in made.items():
+    lives[(k, rank)] = _Life(k, store_of(k), at(ti, s), used.get((k, rank), at(ti, s)))
   readers_of: dict[Hashable, list[int]] = {}
   for (k, r) in used:
     readers_of.setdefault(k, []).append(r)
   for k, rs in readers_of.items():
     if k not in made:
       raise ValueError(f"value {k} is read but no task makes it")
-    src, i = made[k]
+    src, ti, s = made[k]
     for r in sorted(set(rs)):
       if r == src:
-        if first[(k, r)] <= 2 * i:
+        if first[(k, r)] <= at(ti, s):
           raise ValueError(f"value {k} is read on rank {r} before it is made")
         continue
-      if steps[i][0] == steps[first[(k, r)] // 2][0]:
-        raise ValueError(f"value {k} is read on rank {r} in the tick it is made on rank {src}")
-      at = i + 1 if overlap else i     # the iteration whose rounds send it
-      arrive = 2 * at + 1
+      arrive = at(ti, n_slots - 1) + 1
       if first[(k, r)] <= arrive:
-        raise ValueError(f"value {k} is read on rank {r} before it arrives from rank {src}")
-      sends.setdefault((at, src, r), []).append(k)
-      # The sender's row stays until the send reads it (overlap: as iteration `at` starts).
-      lives[(k, src)].end = max(lives[(k, src)].end, 2 * at + (0 if overlap else 1))
+        raise ValueError(f"value {k} is read on rank {r} in the tick it is made on rank {src}"
+                         if first[(k, r)] >= at(ti, 0) else
+                         f"value {k} is read on rank {r} before it is made on rank {src}")
+      sends.setdefault((ti, src, r), []).append(k)
+      # The sender's row stays until its round reads it, as the tick ends.
+      lives[(k, src)].end = max(lives[(k, src)].end, arrive)
       lives[(k, r)] = _Life(k, store_of(k), arrive, used[(k, r)])
 
   # Rows: per rank and store, a value takes the lowest row free for its whole life.
@@ -250,25 +235,25 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
     life = lives.get((key, rank))
     return stores[store_of(key)].scratch if life is None or life.row < 0 else life.row
 
-  n_it = len(steps)
+  n_it = len(ticks)
   n_reads = max([len(k.reads) for k in kind_list] + [1])
   n_writes = max([len(k.writes) for k in kind_list] + [1])
-  code = np.zeros((n_it, n_ranks), np.int32)
-  mb = np.zeros((n_it, n_ranks), np.int32)
-  read_rows = np.zeros((n_it, n_ranks, n_reads), np.int32)
-  write_rows = np.zeros((n_it, n_ranks, n_writes), np.int32)
-  for (i, rank), t in task.items():
-    code[i, rank] = 1 + kind_id[(t.region, t.pass_)]
-    mb[i, rank] = t.mb
+  code = np.zeros((n_it, n_ranks, n_slots), np.int32)
+  mb = np.zeros((n_it, n_ranks, n_slots), np.int32)
+  read_rows = np.zeros((n_it, n_ranks, n_slots, n_reads), np.int32)
+  write_rows = np.zeros((n_it, n_ranks, n_slots, n_writes), np.int32)
+  for (ti, rank, s), t in task.items():
+    code[ti, rank, s] = 1 + kind_id[(t.region, t.pass_)]
+    mb[ti, rank, s] = t.mb
     for n, k in enumerate(reads(t)):
-      read_rows[i, rank, n] = row(k, rank)
+      read_rows[ti, rank, s, n] = row(k, rank)
     for n, k in enumerate(produces(t)):
-      write_rows[i, rank, n] = row(k, rank)
+      write_rows[ti, rank, s, n] = row(k, rank)
 
   rounds = []
   for perm in pair_rounds({(a, b) for (_, a, b) in sends}):
-    per_sender = [[store_of(k) for k in sends[(i, a, b)]]
-                  for (i, a, b) in sends if (a, b) in perm]
+    per_sender = [[store_of(k) for k in keys] for (_, a, b), keys in sends.items()
+                  if (a, b) in perm]
     rounds.append(Round(tuple(perm), tuple(_positions(per_sender))))
   n_pos = max([len(r.stores) for r in rounds] + [1])
   send_rows = np.zeros((n_it, n_ranks, max(len(rounds), 1), n_pos), np.int32)
@@ -277,16 +262,14 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
     for n, st in enumerate(rnd.stores):
       send_rows[:, :, j, n] = stores[st].scratch
       recv_rows[:, :, j, n] = stores[st].scratch
-    for (i, a, b), keys in sends.items():
+    for (ti, a, b), keys in sends.items():
       if (a, b) not in rnd.perm:
         continue
       taken: set[int] = set()
       for k in keys:
         n = next(n for n, st in enumerate(rnd.stores) if st == store_of(k) and n not in taken)
         taken.add(n)
-        send_rows[i, a, j, n] = row(k, a)
-        recv_rows[i, b, j, n] = row(k, b)
-  tick = np.array([ti for ti, _ in steps], np.int32)
-  sub = np.array([s for _, s in steps], np.int32)
-  return ScheduleTable(tuple(kind_list), stores, tuple(rounds), tick, sub, code, mb, read_rows,
-                       write_rows, send_rows, recv_rows, overlap)
+        send_rows[ti, a, j, n] = row(k, a)
+        recv_rows[ti, b, j, n] = row(k, b)
+  return ScheduleTable(tuple(kind_list), stores, tuple(rounds), code, mb, read_rows,
+                       write_rows, send_rows, recv_rows)

@@ -1,14 +1,15 @@
 """A pipeline step as one loop over its ticks, the plan as data (`schedule_table`).
 
-The loop's body holds each task kind (a region's F, B, BI or BW) once, as a branch of
-one `lax.switch`; an iteration is one sub-step of a tick (a rank may run several tasks
-in a tick), and the table says which branch each pipeline rank takes in it, on which
-microbatch, and which rows of the value stores it reads and writes. Every iteration
-runs the table's rounds of `ppermute`, each rank sending the rows the table names (its
-scratch rows when it has nothing to send): after the iteration's task, or, with
-`LoweringOptions.overlap_exchange`, beside it (the values the iteration before made).
-The compiled program's size therefore does not grow with the number of microbatches,
-ticks or schedule: warm-up and cool-down are iterations like the others.
+An iteration is one tick. It runs the table's slots in an inner loop around one
+`lax.switch` whose branches are the task kinds (a region's F, B, BI or BW), each once;
+the table says which branch each pipeline rank takes in each slot, on which microbatch,
+and which rows of the value stores it reads and writes. Then come the table's rounds
+of `ppermute`, each rank sending the rows the table names (its scratch rows when it
+has nothing to send), and what the tick received is written into the stores. Ranks
+meet once per tick, as in the per-tick lowering; the slots' loop holds no collective,
+so on GPUs it runs as one CUDA graph. The compiled program's size does not grow with
+the number of microbatches, ticks or tasks per tick: warm-up and cool-down are
+iterations like the others.
 
 Collectives inside a branch (EP's all-to-all, ZeRO-2's reduce-scatter, ZeRO-3's
 all-gather) run over groups of devices that share a pipeline rank, which take the
@@ -58,7 +59,7 @@ class TickLoop:
     self.prog = prog
     self.table: ScheduleTable = build_table(
         prog.plan.ticks, prog.task_reads, prog.task_produces,
-        lambda key: signature(prog.value_aval(key)), overlap=prog.options.overlap_exchange)
+        lambda key: signature(prog.value_aval(key)))
     # Per kind: the value keys of one of its tasks, with microbatch 0 (the branch finds
     # a value's position in the table's rows by its key).
     self._keys: dict[int, tuple[list, list]] = {}
@@ -135,31 +136,23 @@ class TickLoop:
     stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
     rank = lax.axis_index("pp")
 
-    def exchange(i, stores: list) -> list:
-      """This iteration's rounds: the rows the table names, from `stores`."""
-      out = []
-      for j, rnd in enumerate(table.rounds):
-        payload = [lax.dynamic_index_in_dim(stores[st], send_rows[i, rank, j, k], 0,
-                                            keepdims=False)
-                   for k, st in enumerate(rnd.stores)]
-        out.append(lax.ppermute(payload, "pp", perm=list(rnd.perm)))
-      return out
+    def tick(i, c: LoopCarry) -> LoopCarry:
+      def slot(s, c: LoopCarry) -> LoopCarry:
+        ops = {"carry": c, "params": params, "batch": batch, "mb": mb[i, rank, s],
+               "read_rows": read_rows[i, rank, s], "write_rows": write_rows[i, rank, s]}
+        return lax.switch(code[i, rank, s], branches, ops)
 
-    def step(i, c: LoopCarry) -> LoopCarry:
-      # With `overlap`, what the iteration before made is sent before this iteration's
-      # task, which does not wait for it: XLA runs the exchange beside the task.
-      got = exchange(i, c.stores) if table.overlap else None
-      ops = {"carry": c, "params": params, "batch": batch, "mb": mb[i, rank],
-             "read_rows": read_rows[i, rank], "write_rows": write_rows[i, rank]}
-      c = lax.switch(code[i, rank], branches, ops)
+      c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
       stores = list(c.stores)
-      if got is None:
-        got = exchange(i, stores)
+      got = [lax.ppermute([lax.dynamic_index_in_dim(stores[st], send_rows[i, rank, j, n], 0,
+                                                    keepdims=False)
+                           for n, st in enumerate(rnd.stores)], "pp", perm=list(rnd.perm))
+             for j, rnd in enumerate(table.rounds)]
       for j, rnd in enumerate(table.rounds):
-        for k, st in enumerate(rnd.stores):
-          stores[st] = lax.dynamic_update_index_in_dim(stores[st], got[j][k],
-                                                       recv_rows[i, rank, j, k], 0)
+        for n, st in enumerate(rnd.stores):
+          stores[st] = lax.dynamic_update_index_in_dim(stores[st], got[j][n],
+                                                       recv_rows[i, rank, j, n], 0)
       return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
-    return lax.fori_loop(0, table.n_iterations, step,
+    return lax.fori_loop(0, table.n_iterations, tick,
                          LoopCarry(stores, acc, split_acc, loss))

@@ -50,42 +50,37 @@ def signature(key):
           "wres": ((2,), "bfloat16")}[key[0]]
 
 
-def execute(table, ticks):
-  """Runs the table with value labels in place of arrays; asserts every read and that
-  every task of `ticks` runs once, in its tick's order."""
+def execute(table, ticks, reads=reads):
+  """Runs the table with value labels in place of arrays, as `TickLoop` runs it; asserts
+  every read and that every task of `ticks` runs once, in its tick's order."""
   n_ranks = table.code.shape[1]
   stores = [[[None] * (s.depth + 1) for s in table.stores] for _ in range(n_ranks)]
   ran = []
-
-  def exchange(i):
-    return {(j, a): [stores[a][st][table.send_rows[i, a, j, n]] for n, st in enumerate(rnd.stores)]
-            for j, rnd in enumerate(table.rounds) for a in range(n_ranks)}
-
-  for i in range(table.n_iterations):
-    payload = exchange(i) if table.overlap else None
-    ti, s = table.tick[i], table.sub[i]
-    for rank in range(n_ranks):
-      code = table.code[i, rank]
-      tasks = ticks[ti][rank] if ti >= 0 else []
-      if ti < 0 or s >= len(tasks):
-        assert code == 0
-        continue
-      t, kind = tasks[s], table.kinds[code - 1]
-      assert (kind.region, kind.pass_, table.mb[i, rank]) == (t.region, t.pass_, t.mb)
-      ran.append((ti, rank, s))
-      for n, key in enumerate(reads(t)):
-        got = stores[rank][kind.reads[n]][table.read_rows[i, rank, n]]
-        assert got == key, (i, rank, t, key, got)
-      for n, key in enumerate(produces(t)):
-        stores[rank][kind.writes[n]][table.write_rows[i, rank, n]] = key
-    if payload is None:
-      payload = exchange(i)
+  assert table.n_iterations == len(ticks)
+  for ti in range(table.n_iterations):
+    got = {}
+    for s in range(table.n_slots):
+      for rank in range(n_ranks):
+        kind = table.slot_of(ti, rank, s)
+        if kind is None:
+          continue
+        t = ticks[ti][rank][s]
+        assert (kind.region, kind.pass_, table.mb[ti, rank, s]) == (t.region, t.pass_, t.mb)
+        ran.append((ti, rank, t))
+        for n, key in enumerate(reads(t)):
+          have = stores[rank][kind.reads[n]][table.read_rows[ti, rank, s, n]]
+          assert have == key, (ti, rank, t, key, have)
+        for n, key in enumerate(produces(t)):
+          stores[rank][kind.writes[n]][table.write_rows[ti, rank, s, n]] = key
+    for j, rnd in enumerate(table.rounds):
+      got[j] = {a: [stores[a][st][table.send_rows[ti, a, j, n]]
+                    for n, st in enumerate(rnd.stores)] for a in range(n_ranks)}
     for j, rnd in enumerate(table.rounds):
       for a, b in rnd.perm:
         for n, st in enumerate(rnd.stores):
-          stores[b][st][table.recv_rows[i, b, j, n]] = payload[(j, a)][n]
-  assert sorted(ran) == sorted((ti, r, s) for ti, tick in enumerate(ticks)
-                               for r, ts in enumerate(tick) for s in range(len(ts)))
+          stores[b][st][table.recv_rows[ti, b, j, n]] = got[j][a][n]
+  assert sorted(ran, key=str) == sorted(((ti, r, t) for ti, tick in enumerate(ticks)
+                                         for r, ts in enumerate(tick) for t in ts), key=str)
 
 
 def one_f_one_b(n_ranks, n_mb):
@@ -125,7 +120,7 @@ def test_1f1b_table_runs_and_keeps_only_live_values():
   execute(table, ticks)
   assert {(k.region, k.pass_) for k in table.kinds} == {(r, p) for r in range(4)
                                                        for p in (Pass.F, Pass.B)}
-  assert table.n_iterations == len(ticks)
+  assert table.n_slots == 1
   # Rank 0 keeps at most 4 microbatches' residuals (the stages ahead of it), not 8.
   res = next(i for i, s in enumerate(table.stores) if s.shape == (8,))
   assert table.stores[res].depth == 4
@@ -136,7 +131,7 @@ def test_1f1b_table_runs_and_keeps_only_live_values():
 
 
 def test_several_tasks_a_tick_and_split_backwards():
-  # One rank, all regions: values pass between sub-steps of a tick; B of the last
+  # One rank, all regions: values pass between slots of a tick; B of the last
   # microbatch is split into BI and BW in different ticks.
   ticks = [[[T(r, Pass.F, m) for r in range(4)]] for m in range(2)]
   ticks += [[[T(3, Pass.B, 0), T(2, Pass.B, 0), T(1, Pass.B, 0), T(0, Pass.B, 0)]]]
@@ -144,9 +139,12 @@ def test_several_tasks_a_tick_and_split_backwards():
             [[T(2, Pass.BW, 1), T(0, Pass.B, 1)]]]
   table = build_table(ticks, reads, produces, signature)
   execute(table, ticks)
-  assert table.n_iterations == 4 * 2 + 4 + 2 + 2 + 2 and not table.rounds
+  assert table.n_slots == 4 and not table.rounds
   wres = next(i for i, s in enumerate(table.stores) if s.dtype == "bfloat16")
   assert table.stores[wres].depth == 2
+  # A tick's tasks take its first slots; the rest are empty.
+  assert list(table.code[4, 0] > 0) == [True, True, False, False]
+  assert table.slot_of(5, 0, 1) == table.kinds[table.kind_index(0, Pass.B)]
 
 
 @pytest.mark.parametrize("schedule,n_stages", [("1f1b", 4), ("gpipe", 4), ("zb", 4),
@@ -163,25 +161,15 @@ def test_tables_of_the_builtin_schedules(schedule, n_stages):
                                              for i in range(n_stages)),
                        (TensorSpec("x", (8, 4), "float32"),), 8)
   plan = make_plan(model, strategies.pipeline(n_stages, 4, schedule), 8)
-  for overlap in (False, True):
-    table = build_table(plan.ticks, reads, produces, signature, overlap=overlap)
-    execute(table, plan.ticks)
-    n_tasks = sum(len(ts) for tick in plan.ticks for ts in tick)
-    assert int(np.count_nonzero(table.code)) == n_tasks
+  table = build_table(plan.ticks, reads, produces, signature)
+  execute(table, plan.ticks)
+  n_tasks = sum(len(ts) for tick in plan.ticks for ts in tick)
+  assert int(np.count_nonzero(table.code)) == n_tasks
 
 
-def test_overlapped_exchange_adds_iterations_only_where_a_reader_would_wait():
-  # Textbook 1F1B has one task a tick: every value another rank reads is read the
-  # iteration after it is made, so each tick that sends one gains an empty iteration.
-  ticks = one_f_one_b(N_REGIONS, 8)
-  plain = build_table(ticks, reads, produces, signature)
-  table = build_table(ticks, reads, produces, signature, overlap=True)
-  execute(table, ticks)
-  assert plain.n_iterations < table.n_iterations <= 2 * plain.n_iterations
-  assert (table.tick == -1).sum() == table.n_iterations - plain.n_iterations
-  # Steady state with F before B in a tick: F's activation goes out beside B, B's
-  # cotangent beside the next tick's F, read by that tick's B: nothing is added there.
-  # Warm-up (tick 0's one F) and cool-down (tick 3's B reads tick 2's last) gain one each.
+def test_ranks_meet_once_a_tick_whatever_its_tasks():
+  # Two ranks, two tasks a tick in the steady state: one iteration per tick, and the
+  # activation and the cotangent travel in one round as the tick ends.
   F, B = Pass.F, Pass.B
   two = [[[T(0, F, 0)], []],
          [[T(0, F, 1)], [T(1, F, 0), T(1, B, 0)]],
@@ -189,8 +177,21 @@ def test_overlapped_exchange_adds_iterations_only_where_a_reader_would_wait():
          [[T(0, B, 1)], [T(1, F, 2), T(1, B, 2)]],
          [[T(0, B, 2)], []]]
   two_regions = lambda t: [k for k in reads(t) if k[:2] != ("ct", 2)]
-  table = build_table(two, two_regions, produces, signature, overlap=True)
-  assert list(table.tick) == [0, -1, 1, 1, 2, 2, -1, 3, 3, -1, 4]
+  table = build_table(two, two_regions, produces, signature)
+  execute(table, two, two_regions)
+  assert table.n_iterations == len(two) and table.n_slots == 2
+  assert [r.perm for r in table.rounds] == [((0, 1), (1, 0))]
+  # Rank 1 sends B's cotangent of microbatch m in tick m + 1, rank 0 the activation of
+  # microbatch m + 2 (scratch rows where nothing goes).
+  ct = table.stores.index(next(s for s in table.stores if s.shape == (4,)))
+  assert (table.send_rows[1:4, 1, 0] != table.stores[ct].scratch).any()
+
+
+def test_a_value_read_in_the_tick_another_rank_makes_it_is_refused():
+  F = Pass.F
+  ticks = [[[T(0, F, 0)], [T(1, F, 0)]]]
+  with pytest.raises(ValueError, match="in the tick it is made"):
+    build_table(ticks, reads, produces, signature)
 
 
 def test_a_value_read_before_it_is_made_is_refused():
