@@ -23,6 +23,7 @@ same signatures, in the same order, for every microbatch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable, Hashable, Sequence
 
@@ -33,12 +34,22 @@ __all__ = ["TaskKind", "Store", "Round", "ScheduleTable", "build_table", "pair_r
 
 @dataclasses.dataclass(frozen=True)
 class TaskKind:
-  """A branch of the loop's switch: one pass of one region, for any microbatch."""
+  """A branch of the loop's switch: tasks that run back to back on one rank and
+  microbatch, each after the first reading a value one before it made (a stage's F and
+  B in one tick, a rank's consecutive stages), for any microbatch. Values passed
+  between its steps stay in registers of the branch; only the others use the stores.
 
-  region: int
-  pass_: Any
-  reads: tuple[int, ...]     # the store of each value it reads, in `reads(task)`'s order
-  writes: tuple[int, ...]    # the store of each value it makes, in `produces(task)`'s order
+  steps: (region, pass) of each step, in order.
+  read_at / write_at: (step, position in that step's `reads(task)` / `produces(task)`)
+  of each value it reads from / writes to a store.
+  reads / writes: the store of each of those values.
+  """
+
+  steps: tuple[tuple[int, Any], ...]
+  read_at: tuple[tuple[int, int], ...]
+  write_at: tuple[tuple[int, int], ...]
+  reads: tuple[int, ...]
+  writes: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +78,9 @@ class Round:
 class ScheduleTable:
   """A ticked plan as arrays indexed [tick, rank, slot, ...] (see the module docstring).
 
-  code[t, k, s]: 1 + the index in `kinds` of the task rank k runs in slot s of tick t,
-  or 0 for none; mb: its microbatch; read_rows[t, k, s, n] /
+  code[t, k, s]: 1 + the index in `kinds` of the tasks rank k runs in slot s of tick t,
+  or 0 for none; mb: their microbatch; first[j]: (tick, rank, index in that rank's
+  tasks of the tick) of the first task of one occurrence of kind j; read_rows[t, k, s, n] /
   write_rows[t, k, s, n]: the rows of its n-th read and made value in their stores;
   send_rows[t, k, j, n]: the row rank k sends at position n of round j in tick t (its
   scratch row if it sends nothing there); recv_rows[t, k, j, n]: the row rank k writes
@@ -76,6 +88,7 @@ class ScheduleTable:
   """
 
   kinds: tuple[TaskKind, ...]
+  first: tuple[tuple[int, int, int], ...]
   stores: tuple[Store, ...]
   rounds: tuple[Round, ...]
   code: np.ndarray
@@ -93,8 +106,9 @@ class ScheduleTable:
   def n_slots(self) -> int:
     return self.code.shape[2]
 
-  def kind_index(self, region: int, pass_) -> int:
-    return next(i for i, k in enumerate(self.kinds) if (k.region, k.pass_) == (region, pass_))
+  def kind_index(self, *steps: tuple[int, Any]) -> int:
+    """The index of the kind whose steps are `steps` ((region, pass) pairs)."""
+    return next(i for i, k in enumerate(self.kinds) if k.steps == steps)
 
   def slot_of(self, tick: int, rank: int, slot: int) -> TaskKind | None:
     """The kind rank `rank` runs in `slot` of `tick`, or None."""
@@ -151,24 +165,85 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   def store_of(key) -> int:
     return sigs.setdefault(tuple(signature(key)), len(sigs))
 
-  # Task kinds and their stores, checked to be the same for every microbatch.
-  kinds: dict[tuple, TaskKind] = {}
-  for tick in ticks:
-    for ts in tick:
+  # Groups: a rank's tasks of a tick, cut where a task reads nothing the group made on
+  # its microbatch. A chain becomes one kind only where it holds most of each
+  # of its steps' runs (1F1B's last stage, F and B every tick): a kind's code is
+  # compiled once per kind it is part of, for rare chains of warm-up and cool-down too.
+  chains: list[tuple[int, int, list]] = []   # (tick, rank, tasks)
+  for ti, tick in enumerate(ticks):
+    for r, ts in enumerate(tick):
+      made_here: set = set()
       for t in ts:
-        kind = TaskKind(t.region, t.pass_, tuple(store_of(k) for k in reads(t)),
-                        tuple(store_of(k) for k in produces(t)))
-        old = kinds.setdefault((t.region, t.pass_), kind)
-        if old != kind:
-          raise ValueError(f"region {t.region}'s {t.pass_} reads or makes values of other "
-                           f"shapes for microbatch {t.mb} than for another microbatch")
-  kind_list = sorted(kinds.values(), key=lambda k: (k.region, str(k.pass_)))
-  kind_id = {(k.region, k.pass_): i for i, k in enumerate(kind_list)}
+        if chains and chains[-1][:2] == (ti, r) and t.mb == chains[-1][2][0].mb and (
+            made_here & set(reads(t))):
+          chains[-1][2].append(t)
+        else:
+          chains.append((ti, r, [t]))
+          made_here = set()
+        made_here |= set(produces(t))
+  runs = collections.Counter((t.region, t.pass_) for _, _, ts in chains for t in ts)
+  pattern = collections.Counter(tuple((t.region, t.pass_) for t in ts) for _, _, ts in chains)
+  groups: dict[tuple[int, int, int], list] = {}   # (tick, rank, slot) -> tasks
+  first_task: dict[tuple[int, int, int], int] = {}
+  placed: dict[tuple[int, int], tuple[int, int]] = {}   # (tick, rank) -> (slots, tasks)
+  for ti, r, ts in chains:
+    steps = tuple((t.region, t.pass_) for t in ts)
+    keep = all(2 * pattern[steps] > runs[st] for st in steps)
+    for part in ([ts] if keep else [[t] for t in ts]):
+      slot, n = placed.get((ti, r), (0, 0))
+      placed[(ti, r)] = (slot + 1, n + len(part))
+      groups[(ti, r, slot)] = part
+      first_task[(ti, r, slot)] = n
+  readers: dict[Hashable, set] = {}   # key -> the groups that read it
+  for g, ts in groups.items():
+    for t in ts:
+      for k in reads(t):
+        readers.setdefault(k, set()).add(g)
 
-  # Slots: each rank's tasks of a tick in order, then nothing.
-  n_slots = max([len(ts) for tick in ticks for ts in tick] + [1])
-  task = {(ti, r, s): t for ti, tick in enumerate(ticks) for r, ts in enumerate(tick)
-          for s, t in enumerate(ts)}   # (tick, rank, slot) -> task
+  # Kinds: per sequence of steps, the values read from stores (not made by a step before)
+  # and written to them (read by another group in some tick; values nobody reads are
+  # not written).
+  def positions(ts) -> tuple[tuple, tuple]:
+    made = {k: (i, n) for i, t in enumerate(ts) for n, k in enumerate(produces(t))}
+    read_at = tuple((j, n) for j, t in enumerate(ts) for n, k in enumerate(reads(t))
+                    if k not in made or made[k][0] >= j)
+    return read_at, tuple(sorted(made.values()))
+
+  shapes: dict[tuple, tuple] = {}    # steps -> (read_at, stores read, made stores)
+  outside: dict[tuple, set] = {}     # steps -> made positions some other group reads
+  for g, ts in groups.items():
+    steps = tuple((t.region, t.pass_) for t in ts)
+    read_at, made_at = positions(ts)
+    sig = (read_at, tuple(store_of(reads(ts[j])[n]) for j, n in read_at),
+           tuple(store_of(produces(ts[i])[n]) for i, n in made_at))
+    old = shapes.setdefault(steps, sig)
+    if old != sig:
+      raise ValueError(f"tasks {steps} read or make values of other shapes for microbatch "
+                       f"{ts[0].mb} than for another microbatch")
+    out = outside.setdefault(steps, set())
+    for i, t in enumerate(ts):
+      for n, k in enumerate(produces(t)):
+        if readers.get(k, set()) - {g}:
+          out.add((i, n))
+  kind_list = []
+  for steps in sorted(shapes, key=str):
+    read_at, read_stores, _ = shapes[steps]
+    write_at = tuple(sorted(outside[steps]))
+    any_group = next(ts for ts in groups.values()
+                     if tuple((t.region, t.pass_) for t in ts) == steps)
+    kind_list.append(TaskKind(steps, read_at, write_at, read_stores,
+                              tuple(store_of(produces(any_group[i])[n]) for i, n in write_at)))
+  kind_id = {k.steps: j for j, k in enumerate(kind_list)}
+  first = [None] * len(kind_list)
+  task = {}   # (tick, rank, slot) -> the group as one task of its kind
+  for g, ts in groups.items():
+    kind = kind_list[kind_id[tuple((t.region, t.pass_) for t in ts)]]
+    j = kind_id[kind.steps]
+    if first[j] is None:
+      first[j] = (g[0], g[1], first_task[g])
+    task[g] = (kind, [reads(ts[a])[n] for a, n in kind.read_at],
+               [produces(ts[a])[n] for a, n in kind.write_at], ts[0].mb)
+  n_slots = max([g[2] + 1 for g in groups] + [1])
 
   # Times: slot s of tick t runs at 2 (t S + s); a tick's rounds read what they send and
   # write what they receive as it ends, at 2 (t S + S - 1) + 1.
@@ -177,12 +252,12 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
 
   made: dict[Hashable, tuple[int, int, int]] = {}  # key -> (rank, tick, slot)
   used: dict[tuple[Hashable, int], int] = {}       # (key, rank) -> last read time
-  first: dict[tuple[Hashable, int], int] = {}      # (key, rank) -> first read time
-  for (ti, rank, s), t in sorted(task.items(), key=lambda x: x[0]):
-    for k in reads(t):
+  first_read: dict[tuple[Hashable, int], int] = {} # (key, rank) -> first read time
+  for (ti, rank, s), (_, reads_, makes, _) in sorted(task.items(), key=lambda x: x[0]):
+    for k in reads_:
       used[(k, rank)] = max(used.get((k, rank), at(ti, s)), at(ti, s))
-      first[(k, rank)] = min(first.get((k, rank), at(ti, s)), at(ti, s))
-    for k in produces(t):
+      first_read[(k, rank)] = min(first_read.get((k, rank), at(ti, s)), at(ti, s))
+    for k in makes:
       made[k] = (rank, ti, s)
   lives: dict[tuple[Hashable, int], _Life] = {}
   sends: dict[tuple[int, int, int], list] = {}  # (tick, src, dst) -> keys
@@ -197,13 +272,13 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
     src, ti, s = made[k]
     for r in sorted(set(rs)):
       if r == src:
-        if first[(k, r)] <= at(ti, s):
+        if first_read[(k, r)] <= at(ti, s):
           raise ValueError(f"value {k} is read on rank {r} before it is made")
         continue
       arrive = at(ti, n_slots - 1) + 1
-      if first[(k, r)] <= arrive:
+      if first_read[(k, r)] <= arrive:
         raise ValueError(f"value {k} is read on rank {r} in the tick it is made on rank {src}"
-                         if first[(k, r)] >= at(ti, 0) else
+                         if first_read[(k, r)] >= at(ti, 0) else
                          f"value {k} is read on rank {r} before it is made on rank {src}")
       sends.setdefault((ti, src, r), []).append(k)
       # The sender's row stays until its round reads it, as the tick ends.
@@ -242,12 +317,12 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   mb = np.zeros((n_it, n_ranks, n_slots), np.int32)
   read_rows = np.zeros((n_it, n_ranks, n_slots, n_reads), np.int32)
   write_rows = np.zeros((n_it, n_ranks, n_slots, n_writes), np.int32)
-  for (ti, rank, s), t in task.items():
-    code[ti, rank, s] = 1 + kind_id[(t.region, t.pass_)]
-    mb[ti, rank, s] = t.mb
-    for n, k in enumerate(reads(t)):
+  for (ti, rank, s), (kind, reads_, makes, m) in task.items():
+    code[ti, rank, s] = 1 + kind_id[kind.steps]
+    mb[ti, rank, s] = m
+    for n, k in enumerate(reads_):
       read_rows[ti, rank, s, n] = row(k, rank)
-    for n, k in enumerate(produces(t)):
+    for n, k in enumerate(makes):
       write_rows[ti, rank, s, n] = row(k, rank)
 
   rounds = []
@@ -271,5 +346,5 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
         taken.add(n)
         send_rows[ti, a, j, n] = row(k, a)
         recv_rows[ti, b, j, n] = row(k, b)
-  return ScheduleTable(tuple(kind_list), stores, tuple(rounds), code, mb, read_rows,
-                       write_rows, send_rows, recv_rows)
+  return ScheduleTable(tuple(kind_list), tuple(first), stores, tuple(rounds), code, mb,
+                       read_rows, write_rows, send_rows, recv_rows)

@@ -60,41 +60,40 @@ class TickLoop:
     self.table: ScheduleTable = build_table(
         prog.plan.ticks, prog.task_reads, prog.task_produces,
         lambda key: signature(prog.value_aval(key)))
-    # Per kind: the value keys of one of its tasks, with microbatch 0 (the branch finds
-    # a value's position in the table's rows by its key).
-    self._keys: dict[int, tuple[list, list]] = {}
-    for tick in prog.plan.ticks:
-      for ts in tick:
-        for t in ts:
-          i = self.table.kind_index(t.region, t.pass_)
-          if i not in self._keys:
-            t0 = dataclasses.replace(t, mb=0)
-            self._keys[i] = (prog.task_reads(t0), prog.task_produces(t0))
+    # Per kind: its tasks in one occurrence, with microbatch 0 (the branch finds a
+    # value's position in the table's rows by its key).
+    self._tasks: list[list] = []
+    for kind, (ti, r, n) in zip(self.table.kinds, self.table.first):
+      ts = prog.plan.ticks[ti][r][n:n + len(kind.steps)]
+      self._tasks.append([dataclasses.replace(t, mb=0) for t in ts])
 
   # -- the branches ---------------------------------------------------------
 
   def _branch(self, i: int, kind: TaskKind):
-    prog, table = self.prog, self.table
+    prog = self.prog
     layout = prog.layout
-    rank = prog.plan.mesh.region_rank[kind.region]
-    read_keys, made_keys = self._keys[i]
-    where = {key: j for j, key in enumerate(read_keys)}
-    region = prog.model.regions[kind.region]
-    reads_params = set(region.params)
+    tasks = self._tasks[i]
+    rank = prog.plan.mesh.region_rank[tasks[0].region]
+    where = {prog.task_reads(tasks[j])[n]: x for x, (j, n) in enumerate(kind.read_at)}
+    write_keys = [prog.task_produces(tasks[j])[n] for j, n in kind.write_at]
+    reads_params = set().union(*(prog.model.regions[t.region].params for t in tasks))
 
     def run(ops):
       c: LoopCarry = ops["carry"]
       stores = list(c.stores)
+      made: dict = {}   # what the steps made, read by the steps after them
 
       def read(key):
-        j = where[key]
-        return lax.dynamic_index_in_dim(stores[kind.reads[j]], ops["read_rows"][j], 0,
+        if key in made:
+          return made[key]
+        x = where[key]
+        return lax.dynamic_index_in_dim(stores[kind.reads[x]], ops["read_rows"][x], 0,
                                         keepdims=False)
 
       params = ops["params"]
       own = {k: params[k] for k in ("slots", "shared", "split")}
       gathered = layout.zero == 3
-      if gathered:  # this region's segments and pieces, whole for the task
+      if gathered:  # these regions' segments and pieces, whole for the task
         segs, cast = prog.gather_segments(reads_params, own)
         params = {"params": segs, "cast": cast, "leaves": [],
                   "split": prog.gather_split_pieces(own["split"], reads_params)}
@@ -102,19 +101,20 @@ class TickLoop:
         params = {"params": own, "cast": params.get("cast"), "split": own["split"],
                   "leaves": params.get("leaves", [])}
       param = prog.param_reader(params, gathered)
-      batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0)
-               for b in region.batch]
-      made: dict = {}
       grad_acc: dict = {}
-      loss = prog.run_task(kind.region, kind.pass_, 0, read, param, batch, made, grad_acc)
-      for j, key in enumerate(made_keys):
+      loss = c.loss
+      for t in tasks:
+        batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0)
+                 for b in prog.model.regions[t.region].batch]
+        loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
+      for j, key in enumerate(write_keys):
         s = kind.writes[j]
         x = made[key].astype(stores[s].dtype)
         stores[s] = lax.dynamic_update_index_in_dim(stores[s], x, ops["write_rows"][j], 0)
       acc, split_acc = dict(c.acc), dict(c.split_acc)
-      if kind.pass_ in _GRAD_PASSES:
+      if any(t.pass_ in _GRAD_PASSES for t in tasks):
         prog.add_task_grads(rank, grad_acc, acc, split_acc)
-      return LoopCarry(stores, acc, split_acc, c.loss + loss)
+      return LoopCarry(stores, acc, split_acc, loss)
 
     return run
 

@@ -52,26 +52,39 @@ def signature(key):
 
 def execute(table, ticks, reads=reads):
   """Runs the table with value labels in place of arrays, as `TickLoop` runs it; asserts
-  every read and that every task of `ticks` runs once, in its tick's order."""
+  every read, that values passed inside a slot's kind are made before they are read,
+  and that every task of `ticks` runs once, in its tick's order."""
   n_ranks = table.code.shape[1]
   stores = [[[None] * (s.depth + 1) for s in table.stores] for _ in range(n_ranks)]
   ran = []
   assert table.n_iterations == len(ticks)
   for ti in range(table.n_iterations):
     got = {}
-    for s in range(table.n_slots):
-      for rank in range(n_ranks):
+    for rank in range(n_ranks):
+      done = 0
+      for s in range(table.n_slots):
         kind = table.slot_of(ti, rank, s)
         if kind is None:
           continue
-        t = ticks[ti][rank][s]
-        assert (kind.region, kind.pass_, table.mb[ti, rank, s]) == (t.region, t.pass_, t.mb)
-        ran.append((ti, rank, t))
-        for n, key in enumerate(reads(t)):
-          have = stores[rank][kind.reads[n]][table.read_rows[ti, rank, s, n]]
-          assert have == key, (ti, rank, t, key, have)
-        for n, key in enumerate(produces(t)):
-          stores[rank][kind.writes[n]][table.write_rows[ti, rank, s, n]] = key
+        ts = ticks[ti][rank][done:done + len(kind.steps)]
+        done += len(ts)
+        assert [(t.region, t.pass_, t.mb) for t in ts] == [
+            (r, p, table.mb[ti, rank, s]) for r, p in kind.steps]
+        local = {}
+        for j, t in enumerate(ts):
+          ran.append((ti, rank, t))
+          for n, key in enumerate(reads(t)):
+            if (j, n) in kind.read_at:
+              x = kind.read_at.index((j, n))
+              have = stores[rank][kind.reads[x]][table.read_rows[ti, rank, s, x]]
+            else:
+              have = local.get(key)
+            assert have == key, (ti, rank, t, key, have)
+          local.update((key, key) for key in produces(t))
+        for x, (j, n) in enumerate(kind.write_at):
+          key = produces(ts[j])[n]
+          stores[rank][kind.writes[x]][table.write_rows[ti, rank, s, x]] = key
+      assert done == len(ticks[ti][rank])
     for j, rnd in enumerate(table.rounds):
       got[j] = {a: [stores[a][st][table.send_rows[ti, a, j, n]]
                     for n, st in enumerate(rnd.stores)] for a in range(n_ranks)}
@@ -118,8 +131,8 @@ def test_1f1b_table_runs_and_keeps_only_live_values():
   ticks = one_f_one_b(N_REGIONS, 8)
   table = build_table(ticks, reads, produces, signature)
   execute(table, ticks)
-  assert {(k.region, k.pass_) for k in table.kinds} == {(r, p) for r in range(4)
-                                                       for p in (Pass.F, Pass.B)}
+  assert {k.steps for k in table.kinds} == {((r, p),) for r in range(4)
+                                            for p in (Pass.F, Pass.B)}
   assert table.n_slots == 1
   # Rank 0 keeps at most 4 microbatches' residuals (the stages ahead of it), not 8.
   res = next(i for i, s in enumerate(table.stores) if s.shape == (8,))
@@ -131,20 +144,25 @@ def test_1f1b_table_runs_and_keeps_only_live_values():
 
 
 def test_several_tasks_a_tick_and_split_backwards():
-  # One rank, all regions: values pass between slots of a tick; B of the last
-  # microbatch is split into BI and BW in different ticks.
+  # One rank, all regions: a tick's chain of tasks (each reading what the one before
+  # made) is one kind whose values pass inside its branch; B of the last microbatch is
+  # split into BI and BW in different ticks.
   ticks = [[[T(r, Pass.F, m) for r in range(4)]] for m in range(2)]
   ticks += [[[T(3, Pass.B, 0), T(2, Pass.B, 0), T(1, Pass.B, 0), T(0, Pass.B, 0)]]]
   ticks += [[[T(3, Pass.BI, 1), T(2, Pass.BI, 1)]], [[T(1, Pass.B, 1), T(3, Pass.BW, 1)]],
             [[T(2, Pass.BW, 1), T(0, Pass.B, 1)]]]
   table = build_table(ticks, reads, produces, signature)
   execute(table, ticks)
-  assert table.n_slots == 4 and not table.rounds
+  assert not table.rounds
+  forward = table.kinds[table.kind_index(*[(r, Pass.F) for r in range(4)])]
+  # The forward chain stores the four residuals, not the activations its steps pass on.
+  assert forward.read_at == () and forward.write_at == ((0, 1), (1, 1), (2, 1), (3, 1))
+  # The backward chain runs once (microbatch 1's backward is split over ticks): as a
+  # kind of its own it would only add code, so its tasks take a slot each.
+  assert all(k.steps[0][1] is not Pass.B or len(k.steps) == 1 for k in table.kinds)
+  assert table.n_slots == 4 and (table.code[2, 0] > 0).all()
   wres = next(i for i, s in enumerate(table.stores) if s.dtype == "bfloat16")
   assert table.stores[wres].depth == 2
-  # A tick's tasks take its first slots; the rest are empty.
-  assert list(table.code[4, 0] > 0) == [True, True, False, False]
-  assert table.slot_of(5, 0, 1) == table.kinds[table.kind_index(0, Pass.B)]
 
 
 @pytest.mark.parametrize("schedule,n_stages", [("1f1b", 4), ("gpipe", 4), ("zb", 4),
@@ -164,7 +182,7 @@ def test_tables_of_the_builtin_schedules(schedule, n_stages):
   table = build_table(plan.ticks, reads, produces, signature)
   execute(table, plan.ticks)
   n_tasks = sum(len(ts) for tick in plan.ticks for ts in tick)
-  assert int(np.count_nonzero(table.code)) == n_tasks
+  assert sum(len(table.kinds[c - 1].steps) for c in table.code.flat if c) == n_tasks
 
 
 def test_ranks_meet_once_a_tick_whatever_its_tasks():
@@ -181,6 +199,10 @@ def test_ranks_meet_once_a_tick_whatever_its_tasks():
   execute(table, two, two_regions)
   assert table.n_iterations == len(two) and table.n_slots == 2
   assert [r.perm for r in table.rounds] == [((0, 1), (1, 0))]
+  # The last stage's F and B of one microbatch are one kind: its residual stays in the
+  # branch; only B's cotangent, which rank 0 reads, goes to a store.
+  last = table.kinds[table.kind_index((1, F), (1, B))]
+  assert last.write_at == ((1, 0),) and last.read_at == ((0, 0),)
   # Rank 1 sends B's cotangent of microbatch m in tick m + 1, rank 0 the activation of
   # microbatch m + 2 (scratch rows where nothing goes).
   ct = table.stores.index(next(s for s in table.stores if s.shape == (4,)))
