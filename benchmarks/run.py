@@ -308,8 +308,7 @@ def lowering_options(mods: list[str]):
   what each does)."""
   import piper_jax as pj
   return pj.LoweringOptions(
-      tick_loop=("loop" in mods) if {"loop", "noloop"} & set(mods)
-      else pj.LoweringOptions.tick_loop,
+      tick_loop=("loop" in mods) if {"loop", "noloop"} & set(mods) else None,
       roll="noroll" not in mods,
       max_carry_depth=4 if "deeproll" in mods else 1,
       remat=True if "remat" in mods else False if "noremat" in mods else None,

@@ -16,8 +16,12 @@ class LoweringOptions:
     tick_loop: lower the plan as one loop over all its ticks, the plan as data
       (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
       schedule or the number of microbatches; `roll` and gradient buckets do not apply.
-      Not yet for expert parallelism on GPUs: the experts' all-to-alls sit inside the
-      loop's switch, which then runs from the host, several times slower than per tick.
+      None (the default) chooses the loop for pipelines whose tasks run no collective
+      (no expert or tensor parallelism, no ZeRO-2/3 over data-parallel replicas) and
+      whose gradients are not reduced in buckets (`replicate`'s bucket_mb under
+      ZeRO-0), and the per-tick program otherwise: a task's collectives sit inside the
+      loop's switch, which a GPU then runs from the host, several times slower than per
+      tick, and the loop reduces gradients once, after its last tick.
     roll: run the schedule's steady state (ticks that repeat with later microbatches)
       as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
       longer compile, for a slightly lower peak).
@@ -59,7 +63,7 @@ class LoweringOptions:
       GPUs a pipeline's conditionals and rolled loop run as CUDA graphs), `{}` XLA's.
   """
 
-  tick_loop: bool = False
+  tick_loop: bool | None = None
   roll: bool = True
   max_carry_depth: int = 1
   remat: bool | None = None

@@ -106,7 +106,7 @@ class Program:
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self._plan_grads()
     self._plan_values()
-    self.tick_loop = TickLoop(self) if options.tick_loop else None
+    self.tick_loop = TickLoop(self) if self._loops(options) else None
     if self.tick_loop is not None:
       self.buckets = {}  # the loop reduces gradients once, after its last tick
     self.window = (find_window(self, max_depth=options.max_carry_depth)
@@ -119,6 +119,18 @@ class Program:
     # collectives before it (`order_collectives`, which `pj.compile` sets on CPU);
     # GPUs run one program order, where a ppermute may overlap the next tick's work.
     self.order_collectives = order_collectives
+
+  def _loops(self, options: LoweringOptions) -> bool:
+    """Whether the plan is lowered as one loop over its ticks (`options.tick_loop`; None:
+    for pipelines whose tasks run no collective of their own and whose gradients are not
+    reduced in buckets as they become final, which the loop does not do)."""
+    if options.tick_loop is not None:
+      return options.tick_loop
+    mesh, layout = self.plan.mesh, self.layout
+    in_tasks = (mesh.size("ep") > 1 or mesh.size("tp") > 1
+                or (layout.zero >= 2 and self.n_data > 1))
+    buckets = layout.zero == 0 and bool(self.plan.bucket_mb) and layout.n_dp > 1
+    return mesh.n_pp > 1 and not in_tasks and not buckets
 
   def _analyze_regions(self, runner: RegionRunner, plan: Plan, options: LoweringOptions):
     """Each region's vjp analysis (`ad`) and backward split (`split`), traced once per

@@ -208,14 +208,18 @@ def test_wide_weight_gradients(monkeypatch):
   assert err(wide_params) <= err(narrow_params) * 1.5, (err(wide_params), err(narrow_params))
 
 
-def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, sgd=True):
-  """Checks a run with weights cast once (`losses`, final params `got`) against the same
-  run casting in every task (1e-6) and against one device (`assert_same_bf16_run`, with
-  its SGD step unless `sgd` is False); returns the step without casts."""
+def _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got, sgd=True,
+                           options=pj.LoweringOptions()):
+  """Checks a run with weights cast once (`losses`, final params `got`, lowered with
+  `options`) against the same run casting in every task (1e-6) and against one device
+  (`assert_same_bf16_run`, with its SGD step unless `sgd` is False); returns the step
+  without casts."""
+  import dataclasses
   import numpy as np
   import models
-  plain, want, plain_step, _ = models.piper_run(loss_fn, params, batches, tx, directives,
-                                                options=pj.LoweringOptions(cast_weights=False))
+  plain, want, plain_step, _ = models.piper_run(
+      loss_fn, params, batches, tx, directives,
+      options=dataclasses.replace(options, cast_weights=False))
   np.testing.assert_allclose(losses, plain, rtol=1e-6)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                          got, want)
@@ -286,7 +290,10 @@ def test_pipeline_weights_unpacked_once(schedule, zero, monkeypatch):
   batches = [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
   tx = models.optimizer()
   directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=2 if zero else 1, zero=zero)
-  losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
+  # The per-tick program, whose every tick's task would slice its own weights.
+  per_tick = pj.LoweringOptions(tick_loop=False)
+  losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives,
+                                              options=per_tick)
   layout = step._layout
   assert layout.cast and set(layout.unpacked_pos) == layout.cast
   # Each sliced once, in the unpacking (in fp32, or gathered in bf16 under ZeRO-1/2).
@@ -296,11 +303,11 @@ def test_pipeline_weights_unpacked_once(schedule, zero, monkeypatch):
   per_rank = collections.Counter(layout.home[p].rank for p in layout.cast)
   assert len(layout.unpacked_positions) == max(per_rank.values())
   sliced = pj.compile(loss_fn, tx, directives, params, batches[0],
-                      options=pj.LoweringOptions(unpack_in_pipelines=False))
+                      options=pj.LoweringOptions(unpack_in_pipelines=False, tick_loop=False))
   assert not sliced._layout.unpacked_pos
   assert _bf16_weight_slices(sliced, sliced.init(params), batches[0]) > 2 * len(layout.cast)
   _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got,
-                         sgd=schedule == "1f1b")
+                         sgd=schedule == "1f1b", options=per_tick)
 
 
 def test_fp32_model_has_no_weight_casts():

@@ -27,6 +27,8 @@ from models import (assert_same_run, init_mlp, jaxpr_ancestors, mlp_loss, optimi
 from piper_jax.lowering.program import PIPELINE_XLA_OPTIONS, Program
 
 pytestmark = pytest.mark.timeout(240)
+# The per-tick program, for what only it has (a rolled steady state, one switch a tick).
+PER_TICK = pj.LoweringOptions(tick_loop=False)
 
 _COMPILE = sys.modules["piper_jax.compile"]  # `piper_jax.compile` is also the function
 _COLLECTIVES = ("ppermute", "reduce_scatter", "psum", "all_gather", "all_to_all")
@@ -55,7 +57,8 @@ def _pipeline_step(n_stages=2, n_mb=8, dp=2, zero=2, roll=True):
   batch = random_batch(jax.random.PRNGKey(1), 16 * dp)
   directives = pj.strategies.pipeline(n_stages, n_mb, "1f1b", dp=dp, zero=zero)
   step = pj.compile(loss, optimizer(), directives, params, batch,
-                    devices=jax.devices()[:n_stages * dp], roll=roll)
+                    devices=jax.devices()[:n_stages * dp], roll=roll,
+                    options=pj.LoweringOptions(tick_loop=False))
   return step, step.init(params), batch
 
 
@@ -228,7 +231,7 @@ def test_gpu_ordered_pipeline_runs_on_cpu(dp, zero, gpu_program):
   loss, params = mlp_loss(2), init_mlp(jax.random.PRNGKey(0), 2)
   directives = pj.strategies.pipeline(2, 8, "1f1b", dp=dp, zero=zero)
   step, state = assert_same_run(loss, params, directives, batch_size=16 * dp,
-                                devices=jax.devices()[:2 * dp])
+                                devices=jax.devices()[:2 * dp], options=PER_TICK)
   assert not step._program.order_collectives and step.rolled is not None
   assert _jit_options(step.lower(state, random_batch(jax.random.PRNGKey(0), 16 * dp))) \
       == step._program.compiler_options("gpu") != {}

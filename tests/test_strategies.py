@@ -14,6 +14,8 @@ import piper_jax as pj
 from models import assert_same_run, init_mlp, mlp_loss, piper_run, random_batch
 
 pytestmark = pytest.mark.timeout(240)
+# The per-tick program, for what only it has (a rolled steady state, one switch a tick).
+PER_TICK = pj.LoweringOptions(tick_loop=False)
 
 
 def _mlp(n_stages, tied=False, seed=0):
@@ -265,11 +267,12 @@ def test_reduce_dtype_bf16_pipeline_zero2():
     ("1f1b", 2, 1, 0, True), ("1f1b", 4, 2, 3, False), ("zb", 2, 2, 2, False),
     ("dualpipev", 4, 1, 1, False), ("interleaved", 4, 1, 0, False)])
 def test_rolled_steady_state(schedule, stages, dp, zero, tied):
-  # compile(roll=True), the default: the repeating middle of the schedule runs as one
-  # lax.fori_loop (microbatches and values shifted per iteration), with the same numbers.
+  # The per-tick program's roll=True, its default: the repeating middle of the schedule
+  # runs as one lax.fori_loop (microbatches and values shifted per iteration), with the
+  # same numbers.
   loss, params = _mlp(stages, tied=tied)
   directives = pj.strategies.pipeline(stages, 16, schedule, dp=dp, zero=zero)
-  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp)
+  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp, options=PER_TICK)
   w = step.rolled
   assert w is not None and w.iters >= 2, w
   assert "while" in step.lower(state, _batch(16 * dp)).as_text()
@@ -283,7 +286,7 @@ def test_rolled_values_carried_over_iterations(schedule, dp, zero):
   loss, params = _mlp(4)
   directives = pj.strategies.pipeline(4, 8, schedule, dp=dp, zero=zero)
   step, state = assert_same_run(loss, params, directives, batch_size=16 * dp,
-                                options=pj.LoweringOptions(max_carry_depth=4))
+                                options=pj.LoweringOptions(max_carry_depth=4, tick_loop=False))
   w = step.rolled
   assert w is not None and w.iters >= 2, w
   assert min(loc.tick for loc in w.carry) < w.start - w.length  # two iterations back
@@ -424,7 +427,7 @@ def test_rolled_loop_carries_values_without_copies(schedule, dp, zero, n_mb):
   loss, params = _mlp(2)
   step, state = assert_same_run(loss, params,
                                 pj.strategies.pipeline(2, n_mb, schedule, dp=dp, zero=zero),
-                                batch_size=16 * dp, roll=True)
+                                batch_size=16 * dp, roll=True, options=PER_TICK)
   assert step.rolled.iters >= 2
   text = step.lower(state, _batch(16 * dp)).compile().as_text()
   comps, cur = {}, None
