@@ -149,6 +149,19 @@ def _positions(per_sender: Sequence[list[int]]) -> list[int]:
   return [s for s in sorted(need) for _ in range(need[s])]
 
 
+def _cached(keys: Callable[[Any], list]) -> Callable[[Any], list]:
+  """`keys`, called once per task (tasks are looked up by identity)."""
+  memo: dict[int, tuple[Any, list]] = {}
+
+  def get(task):
+    hit = memo.get(id(task))
+    if hit is None or hit[0] is not task:
+      hit = memo[id(task)] = (task, keys(task))
+    return hit[1]
+
+  return get
+
+
 def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any], list],
                 produces: Callable[[Any], list], signature: Callable[[Hashable], tuple]
                 ) -> ScheduleTable:
@@ -161,6 +174,7 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   """
   n_ranks = len(ticks[0]) if ticks else 0
   sigs: dict[tuple, int] = {}
+  reads, produces = _cached(reads), _cached(produces)
 
   def store_of(key) -> int:
     return sigs.setdefault(tuple(signature(key)), len(sigs))
