@@ -116,6 +116,17 @@ class ScheduleTable:
     return self.kinds[c - 1] if c else None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Group:
+  """A slot's tasks on one rank in one tick, as one task of `kind`: the keys of the
+  values it reads from and writes to stores, and its microbatch."""
+
+  kind: TaskKind
+  reads: list
+  writes: list
+  mb: int
+
+
 @dataclasses.dataclass
 class _Life:
   """Where one value lives on one rank: from the time it is written to its last use."""
@@ -168,9 +179,9 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   """The table of `ticks` ([tick][rank] -> tasks with `region`, `pass_`, `mb`).
 
   reads(task) / produces(task): the keys of the values a task reads / makes;
-  signature(key): the value's (shape, dtype). Raises
-  ValueError when a value is read before it is made (on another rank: in the tick it
-  is made), or a task kind's values differ in signature between microbatches.
+  signature(key): the value's (shape, dtype). Raises ValueError when a value is read
+  before it is made (on another rank: in the tick it is made), or a task kind's values
+  differ in signature between microbatches.
   """
   n_ranks = len(ticks[0]) if ticks else 0
   sigs: dict[tuple, int] = {}
@@ -223,12 +234,13 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
                     if k not in made or made[k][0] >= j)
     return read_at, tuple(sorted(made.values()))
 
-  shapes: dict[tuple, tuple] = {}    # steps -> (read_at, stores read, made stores)
+  # steps -> (read_at, stores read, made positions, their stores)
+  shapes: dict[tuple, tuple] = {}
   outside: dict[tuple, set] = {}     # steps -> made positions some other group reads
   for g, ts in groups.items():
     steps = tuple((t.region, t.pass_) for t in ts)
     read_at, made_at = positions(ts)
-    sig = (read_at, tuple(store_of(reads(ts[j])[n]) for j, n in read_at),
+    sig = (read_at, tuple(store_of(reads(ts[j])[n]) for j, n in read_at), made_at,
            tuple(store_of(produces(ts[i])[n]) for i, n in made_at))
     old = shapes.setdefault(steps, sig)
     if old != sig:
@@ -241,22 +253,20 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
           out.add((i, n))
   kind_list = []
   for steps in sorted(shapes, key=str):
-    read_at, read_stores, _ = shapes[steps]
+    read_at, read_stores, made_at, made_stores = shapes[steps]
     write_at = tuple(sorted(outside[steps]))
-    any_group = next(ts for ts in groups.values()
-                     if tuple((t.region, t.pass_) for t in ts) == steps)
     kind_list.append(TaskKind(steps, read_at, write_at, read_stores,
-                              tuple(store_of(produces(any_group[i])[n]) for i, n in write_at)))
+                              tuple(made_stores[made_at.index(p)] for p in write_at)))
   kind_id = {k.steps: j for j, k in enumerate(kind_list)}
   first = [None] * len(kind_list)
-  task = {}   # (tick, rank, slot) -> the group as one task of its kind
+  task: dict[tuple[int, int, int], _Group] = {}   # (tick, rank, slot) -> its group
   for g, ts in groups.items():
-    kind = kind_list[kind_id[tuple((t.region, t.pass_) for t in ts)]]
-    j = kind_id[kind.steps]
+    j = kind_id[tuple((t.region, t.pass_) for t in ts)]
+    kind = kind_list[j]
     if first[j] is None:
       first[j] = (g[0], g[1], first_task[g])
-    task[g] = (kind, [reads(ts[a])[n] for a, n in kind.read_at],
-               [produces(ts[a])[n] for a, n in kind.write_at], ts[0].mb)
+    task[g] = _Group(kind, [reads(ts[a])[n] for a, n in kind.read_at],
+                     [produces(ts[a])[n] for a, n in kind.write_at], ts[0].mb)
   n_slots = max([g[2] + 1 for g in groups] + [1])
 
   # Times: slot s of tick t runs at 2 (t S + s); a tick's rounds read what they send and
@@ -267,11 +277,11 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   made: dict[Hashable, tuple[int, int, int]] = {}  # key -> (rank, tick, slot)
   used: dict[tuple[Hashable, int], int] = {}       # (key, rank) -> last read time
   first_read: dict[tuple[Hashable, int], int] = {} # (key, rank) -> first read time
-  for (ti, rank, s), (_, reads_, makes, _) in sorted(task.items(), key=lambda x: x[0]):
-    for k in reads_:
+  for (ti, rank, s), group in sorted(task.items(), key=lambda x: x[0]):
+    for k in group.reads:
       used[(k, rank)] = max(used.get((k, rank), at(ti, s)), at(ti, s))
       first_read[(k, rank)] = min(first_read.get((k, rank), at(ti, s)), at(ti, s))
-    for k in makes:
+    for k in group.writes:
       made[k] = (rank, ti, s)
   lives: dict[tuple[Hashable, int], _Life] = {}
   sends: dict[tuple[int, int, int], list] = {}  # (tick, src, dst) -> keys
@@ -331,12 +341,12 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   mb = np.zeros((n_it, n_ranks, n_slots), np.int32)
   read_rows = np.zeros((n_it, n_ranks, n_slots, n_reads), np.int32)
   write_rows = np.zeros((n_it, n_ranks, n_slots, n_writes), np.int32)
-  for (ti, rank, s), (kind, reads_, makes, m) in task.items():
-    code[ti, rank, s] = 1 + kind_id[kind.steps]
-    mb[ti, rank, s] = m
-    for n, k in enumerate(reads_):
+  for (ti, rank, s), group in task.items():
+    code[ti, rank, s] = 1 + kind_id[group.kind.steps]
+    mb[ti, rank, s] = group.mb
+    for n, k in enumerate(group.reads):
       read_rows[ti, rank, s, n] = row(k, rank)
-    for n, k in enumerate(makes):
+    for n, k in enumerate(group.writes):
       write_rows[ti, rank, s, n] = row(k, rank)
 
   rounds = []
