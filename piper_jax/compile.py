@@ -367,9 +367,16 @@ class TrainStep:
     return (self._compiled or self._step)(state, self._batch_leaves(batch))
 
   @property
+  def tick_loop(self) -> bool:
+    """Whether the step runs as one loop over all its ticks (`LoweringOptions.tick_loop`;
+    by default for pipelines whose tasks run no collective) rather than per tick."""
+    return self._program.tick_loop is not None
+
+  @property
   def rolled(self):
-    """The ticks run as one loop (`LoweringOptions.roll`, the default): a `Window` with
-    `start`, `stop`, `length` and `iters`, or None when the step unrolls every tick."""
+    """In the per-tick program, the ticks run as one loop (`LoweringOptions.roll`, the
+    default): a `Window` with `start`, `stop`, `length` and `iters`, or None when the
+    step unrolls every tick or runs as one loop over all ticks (`tick_loop`)."""
     return self._program.window
 
   def collectives(self) -> list[StepCollective]:
@@ -417,8 +424,10 @@ class TrainStep:
     """The plan, the lowering options that differ from the defaults, and the collectives
     the compiled step runs (`collectives`)."""
     changed = self.options.changed()
+    lowered = ("one loop over all ticks" if self.tick_loop else
+               "per tick" + (", steady state rolled" if self.rolled else ""))
     return "\n".join([str(self.plan),
-                      f"lowering options: {changed or 'defaults'}",
+                      f"lowering options: {changed or 'defaults'} (lowered {lowered})",
                       "collectives the compiled step runs (per step; in a switch, summed "
                       "over its branches, of which each device runs one):",
                       collectives_table(self.collectives())])

@@ -83,6 +83,7 @@ def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   step, state = assert_same_run(loss, params, directives, batch_size=4 * n_mb, tx=MOE_TX,
                                 remat=schedule == "dualpipev", roll=True)
   assert step.plan.mesh.size("ep") == 2 and step.plan.mesh.n_pp == 2
+  assert not step.tick_loop  # the experts' all-to-alls run in the tasks: per tick
   if schedule == "1f1b":
     assert step.rolled is not None and step.rolled.iters >= 2
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2}

@@ -56,3 +56,31 @@ def test_program_size_does_not_grow_with_microbatches(schedule):
                                                                      size16)
   # Each region's F and B once: 4 regions, 2 passes.
   assert calls4 <= 8, calls4
+
+
+def _built(directives, dp, options=None):
+  """pj.compile of the 2-stage test MLP (no step runs)."""
+  params = init_mlp(jax.random.PRNGKey(0), 2)
+  batch = random_batch(jax.random.PRNGKey(1), 16 * dp)
+  return pj.compile(mlp_loss(2), optax.sgd(0.1), directives, params, batch,
+                    devices=jax.devices()[:2 * dp], options=options)
+
+
+@pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, False),
+                                           (2, 3, False)])
+def test_pipelines_run_as_one_loop_unless_their_tasks_run_collectives(dp, zero, loops):
+  # By default a pipeline is one loop over its ticks; ZeRO-2/3 over replicas put a
+  # reduce-scatter or all-gather inside the tasks, which then stay per tick.
+  step = _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp)
+  assert step.tick_loop is loops and step.options.tick_loop is None
+  assert ("one loop over all ticks" in step.describe()) is loops
+  assert _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp,
+                pj.LoweringOptions(tick_loop=not loops)).tick_loop is not loops
+
+
+def test_bucketed_gradients_and_data_parallel_alone_stay_per_tick():
+  # Buckets reduce gradients as the cool-down makes them, which the loop does not.
+  buckets = [pj.split(4)] + [pj.replicate({"PP": s}, [2 * r + s for r in range(2)],
+                                          bucket_mb=0.001) for s in range(2)]
+  assert not _built(buckets + pj.schedules.one_f_one_b(2, 4), 2).tick_loop
+  assert not _built(pj.strategies.data_parallel(4), 2).tick_loop
