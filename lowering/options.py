@@ -21,7 +21,8 @@ class LoweringOptions:
       whose gradients are not reduced in buckets (`replicate`'s bucket_mb under
       ZeRO-0), and the per-tick program otherwise: a task's collectives sit inside the
       loop's switch, which a GPU then runs from the host, several times slower than per
-      tick, and the loop reduces gradients once, after its last tick.
+      tick, and the loop reduces gradients once, after its last tick. `roll=False` or
+      `max_carry_depth` > 1, which only the per-tick program reads, choose it too.
     roll: run the schedule's steady state (ticks that repeat with later microbatches)
       as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
       longer compile, for a slightly lower peak).

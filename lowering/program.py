@@ -126,6 +126,8 @@ class Program:
     reduced in buckets as they become final, which the loop does not do)."""
     if options.tick_loop is not None:
       return options.tick_loop
+    if not options.roll or options.max_carry_depth > 1:
+      return False  # asked for the per-tick program's own unrolling or deeper carries
     mesh, layout = self.plan.mesh, self.layout
     in_tasks = (mesh.size("ep") > 1 or mesh.size("tp") > 1
                 or (layout.zero >= 2 and self.n_data > 1))

@@ -84,3 +84,12 @@ def test_bucketed_gradients_and_data_parallel_alone_stay_per_tick():
                                           bucket_mb=0.001) for s in range(2)]
   assert not _built(buckets + pj.schedules.one_f_one_b(2, 4), 2).tick_loop
   assert not _built(pj.strategies.data_parallel(4), 2).tick_loop
+
+
+def test_options_of_the_per_tick_program_choose_it():
+  directives = pj.strategies.pipeline(2, 4, "1f1b")
+  assert _built(directives, 1).tick_loop
+  # roll=False and deeper carries are read by the per-tick program only.
+  assert _built(directives, 1, pj.LoweringOptions(roll=False)).rolled is None
+  assert not _built(directives, 1, pj.LoweringOptions(roll=False)).tick_loop
+  assert not _built(directives, 1, pj.LoweringOptions(max_carry_depth=2)).tick_loop
