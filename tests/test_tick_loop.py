@@ -38,11 +38,21 @@ def test_tick_loop_expert_parallel_x_pipeline(batches_of):
   assert step.plan.mesh.size("ep") == 2
 
 
+def _inputs(n_stages, dp):
+  """The test MLP's parameters for `n_stages` regions and a batch for `dp` replicas."""
+  return init_mlp(jax.random.PRNGKey(0), n_stages), random_batch(jax.random.PRNGKey(1), 16 * dp)
+
+
+def _built(directives, dp, options=None, n_stages=2):
+  """pj.compile of the test MLP on `n_stages * dp` devices (no step runs)."""
+  params, batch = _inputs(n_stages, dp)
+  return pj.compile(mlp_loss(n_stages), optax.sgd(0.1), directives, params, batch,
+                    devices=jax.devices()[:n_stages * dp], options=options)
+
+
 def _passes_in_program(schedule, n_microbatches, options):
-  params = init_mlp(jax.random.PRNGKey(0), 4)
-  batch = random_batch(jax.random.PRNGKey(1), 16)
-  step = pj.compile(mlp_loss(4), optax.sgd(0.1), pj.strategies.pipeline(4, n_microbatches, schedule),
-                    params, batch, options=options)
+  step = _built(pj.strategies.pipeline(4, n_microbatches, schedule), 1, options, n_stages=4)
+  params, batch = _inputs(4, 1)
   text = step.lower(step.init(params), batch).as_text()
   # Lines: the schedule's tables are constants, one line each whatever their length.
   return len(re.findall(r"call @region_(?:forward|backward)", text)), text.count("\n")
@@ -56,14 +66,6 @@ def test_program_size_does_not_grow_with_microbatches(schedule):
                                                                      size16)
   # Each region's F and B once: 4 regions, 2 passes.
   assert calls4 <= 8, calls4
-
-
-def _built(directives, dp, options=None):
-  """pj.compile of the 2-stage test MLP (no step runs)."""
-  params = init_mlp(jax.random.PRNGKey(0), 2)
-  batch = random_batch(jax.random.PRNGKey(1), 16 * dp)
-  return pj.compile(mlp_loss(2), optax.sgd(0.1), directives, params, batch,
-                    devices=jax.devices()[:2 * dp], options=options)
 
 
 @pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, False),
