@@ -41,7 +41,7 @@ from piper_jax.lowering.tick_loop import TickLoop
 from piper_jax.lowering.values import (Exchange, Kept, Location, Received, TickValues,
                                        ValueKey, ValueKind)
 
-__all__ = ["Program"]
+__all__ = ["Program", "lowers_as_loop"]
 
 _GRAD_PASSES = (Pass.B, Pass.BW)
 
@@ -84,6 +84,20 @@ PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFER
                         "xla_gpu_graph_min_graph_size": 1}
 
 
+def lowers_as_loop(plan: Plan, options: LoweringOptions) -> bool:
+  """Whether `plan` is lowered as one loop over its ticks (`options.tick_loop`; None:
+  for pipelines whose tasks run no collective of their own and whose gradients are not
+  reduced in buckets as they become final, which the loop does not do)."""
+  if options.tick_loop is not None:
+    return options.tick_loop
+  if not options.roll or options.max_carry_depth > 1:
+    return False  # asked for the per-tick program's own unrolling or deeper carries
+  mesh = plan.mesh
+  in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1 or (mesh.zero >= 2 and mesh.n_data > 1)
+  buckets = mesh.zero == 0 and bool(plan.bucket_mb) and mesh.n_data > 1
+  return mesh.n_pp > 1 and not in_tasks and not buckets
+
+
 class Program:
   """The per-tick lowering of a plan; `body` is the shard_map body of one step."""
 
@@ -121,18 +135,8 @@ class Program:
     self.order_collectives = order_collectives
 
   def _loops(self, options: LoweringOptions) -> bool:
-    """Whether the plan is lowered as one loop over its ticks (`options.tick_loop`; None:
-    for pipelines whose tasks run no collective of their own and whose gradients are not
-    reduced in buckets as they become final, which the loop does not do)."""
-    if options.tick_loop is not None:
-      return options.tick_loop
-    if not options.roll or options.max_carry_depth > 1:
-      return False  # asked for the per-tick program's own unrolling or deeper carries
-    mesh, layout = self.plan.mesh, self.layout
-    in_tasks = (mesh.size("ep") > 1 or mesh.size("tp") > 1
-                or (layout.zero >= 2 and self.n_data > 1))
-    buckets = layout.zero == 0 and bool(self.plan.bucket_mb) and layout.n_dp > 1
-    return mesh.n_pp > 1 and not in_tasks and not buckets
+    """Whether the plan is lowered as one loop over its ticks (`lowers_as_loop`)."""
+    return lowers_as_loop(self.plan, options)
 
   def _analyze_regions(self, runner: RegionRunner, plan: Plan, options: LoweringOptions):
     """Each region's vjp analysis (`ad`) and backward split (`split`), traced once per

@@ -24,6 +24,8 @@ from piper_jax.ir.directives import (Directive, Order, order, place, replicate, 
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering.local import RegionRunner
+from piper_jax.lowering.options import LoweringOptions
+from piper_jax.lowering.program import lowers_as_loop
 from piper_jax.lowering.regions import analyze_region
 from piper_jax.lowering.trace import trace_loss
 
@@ -466,7 +468,8 @@ def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stage
 
 # -- estimates ---------------------------------------------------------------------
 
-def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
+def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool,
+              options: LoweringOptions = LoweringOptions()):
   """(step_time, compute_time, comm_time, bubble, MemoryEstimate) of a planned candidate."""
   spec, mesh = model.spec, plan.mesh
   rows = model.batch_size // (mesh.n_data * plan.n_microbatches)  # rows of one microbatch
@@ -489,6 +492,13 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
   ep, tp = mesh.size("ep"), mesh.size("tp")
   tokens = _tokens(spec) * scale  # tokens of one microbatch on one device's rows
   act_item = _act_itemsize(spec)
+  acts_of = [_peak_activations(plan, report, rank,
+                               {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
+             for rank in range(mesh.n_pp)]
+  if lowers_as_loop(plan, options):
+    # One program for every rank: each device allocates the stores of the rank that
+    # keeps the most.
+    acts_of = [max(acts_of)] * mesh.n_pp
   for rank in range(mesh.n_pp):
     regions = plan.rank_regions(rank)
     # Leaves split over an expert or tensor group: each device holds 1/group of them,
@@ -514,7 +524,7 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool):
     grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))
     opt = int((p_bytes / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
-    acts = _peak_activations(plan, report, rank, {r: int(act[r] * scale) for r in regions})
+    acts = acts_of[rank]
     # A backward under remat first recomputes what its forward dropped.
     working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
     mem = MemoryEstimate(params, grads, opt, acts, copies, working,
@@ -588,9 +598,13 @@ def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) 
 
 def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
              example_batch: Any, directives: Sequence[Directive], n_devices: int, *,
-             costs: CostModel | None = None, remat: bool | None = None) -> Estimate:
+             costs: CostModel | None = None, remat: bool | None = None,
+             options: LoweringOptions | None = None) -> Estimate:
   """The step time and peak memory per device `search` would estimate for `directives`
-  (see `search` for what they count), without devices.
+  (see `search` for what they count), without devices. `options` are the
+  `pj.compile` options the step would be lowered with (they choose between one loop
+  over the ticks, whose devices all hold the stores of the rank that keeps the most,
+  and the per-tick program).
 
   Raises:
     ValueError: for directives that do not plan.
@@ -598,7 +612,8 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
   model = _measure(loss_fn, optimizer, params, example_batch)
   plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
   use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
-  step, compute, comm, bubble, mem = _estimate(model, plan, costs or CostModel(), use_remat)
+  step, compute, comm, bubble, mem = _estimate(model, plan, costs or CostModel(), use_remat,
+                                                options or LoweringOptions())
   return Estimate(step, compute, comm, bubble, mem, plan)
 
 

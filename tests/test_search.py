@@ -264,3 +264,32 @@ def test_tensor_parallel_groups_split_the_named_weights():
   assert all(" tp" in c.name for c in only.candidates)
   for cand in (split, by["1f1b pp2 x dp2 zero1 tp2"]):
     _one_step_like_one_device(loss, tx, params, batch, cand.directives, 4)
+
+
+@pytest.mark.timeout(60)
+def test_one_loop_holds_the_largest_ranks_activations_on_every_device():
+  # The loop is one program for every rank: each device allocates the stores of the
+  # rank that keeps the most. Here the first rank keeps the activations (wide, and
+  # 1F1B holds two microbatches there) and the last one the parameters.
+  import jax.numpy as jnp
+
+  def loss(params, batch):
+    with pj.annotate("PP"):
+      x = jnp.tanh(batch["x"] @ params["wide"]) @ params["narrow"]
+    with pj.annotate("PP"):
+      x = x * jnp.mean(params["big"])
+    return jnp.mean((x - batch["y"]) ** 2)
+
+  k = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"wide": jax.random.normal(k[0], (8, 2048)), "narrow": jax.random.normal(k[1], (2048, 8)),
+            "big": jnp.ones((1 << 20,))}
+  batch = {"x": jax.random.normal(k[2], (64, 8)), "y": jax.random.normal(k[3], (64, 8))}
+  tx = optax.sgd(1e-3)
+  directives = pj.strategies.pipeline(2, 4, "1f1b")
+  loop = pj.strategies.estimate(loss, tx, params, batch, directives, 2).memory
+  tick = pj.strategies.estimate(loss, tx, params, batch, directives, 2,
+                                options=pj.LoweringOptions(tick_loop=False)).memory
+  # Both peak on the last rank (its parameters); with the loop it also holds the
+  # first rank's activations.
+  assert tick.params == loop.params == 4 << 20
+  assert loop.activations > 4 * tick.activations and loop.total > tick.total
