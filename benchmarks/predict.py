@@ -70,7 +70,8 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
     mods = run.split_variant(variant)[1]
     remat = True if "remat" in mods else False if "noremat" in mods else None
     est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
-                                 batch, directives, n, costs=costs, remat=remat)
+                                 batch, directives, n, costs=costs, remat=remat,
+                                 options=run.lowering_options(mods))
     m = est.memory
     out.append({"file": os.path.basename(path), "model": model, "variant": variant,
                 "measured_gib": r.get("peak_gib"), "predicted_gib": m.total / 2**30,
