@@ -9,11 +9,16 @@ measured one, with matmuls at the FLOP/s the same call's `jit-dp` row (else its
 `gspmd-fsdp` row) achieved and links at `--link-gbps`. Rows that ran cuDNN's fused
 attention are traced with XLA's attention recomputed in the backward, which keeps what
 the fused kernel keeps (q, k, v), not the T x T probabilities.
+
+With `--calibrate CACHE`, run on a GPU, step times are also simulated from each region's
+F and B timed there (`pj.calibrate` at the row's microbatch rows, with the row's
+attention and the batch's own token ids).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,9 +43,12 @@ def baseline_costs(rows: list[dict], link_bytes_per_s: float):
                                  link_bytes_per_s=link_bytes_per_s), base
 
 
-def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0) -> list[dict]:
+def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0,
+            calibrate: str | None = None) -> list[dict]:
   """Rows of estimates for a raw file; `seq_len` and `layers` stand in for a file whose
-  meta does not say them (run.py's before it recorded them)."""
+  meta does not say them (run.py's before it recorded them). With `calibrate` (a cache
+  file), step times also come from each region's F and B timed on this machine's first
+  device at the row's microbatch rows (`pj.calibrate`, with the row's attention)."""
   import jax
   import optax
 
@@ -73,6 +81,25 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                                  batch, directives, n, costs=costs, remat=remat,
                                  options=run.lowering_options(mods))
     m = est.memory
+    measured_ms = None
+    if calibrate:
+      # Time what the row ran: its attention, its microbatch rows, remat as compiled.
+      _, timed_net, _ = run.build(variant, model, n, meta["microbatches"], pp,
+                                  attention=r.get("attention"),
+                                  seq_len=meta.get("seq_len") or seq_len,
+                                  layers=meta.get("layers") or layers)
+      plan = est.plan
+      rows = meta["batch"] // (plan.mesh.n_data * plan.n_microbatches)
+      use_remat = plan.mesh.n_pp > 1 if remat is None else remat
+      # Real token ids: an embedding's gradient scatters by them.
+      values = family.random_batch(config, key, meta["batch"])
+      times = pj.calibrate(family.loss_fn(timed_net), params, values, rows, remat=use_remat,
+                           cache=calibrate)
+      timed = pj.strategies.estimate(
+          family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params, batch, directives,
+          n, costs=dataclasses.replace(costs, region_times=times), remat=remat,
+          options=run.lowering_options(mods))
+      measured_ms = timed.step_time * 1e3
     out.append({"file": os.path.basename(path), "model": model, "variant": variant,
                 "measured_gib": r.get("peak_gib"), "predicted_gib": m.total / 2**30,
                 "params_gib": m.params / 2**30, "grads_gib": m.grads / 2**30,
@@ -80,7 +107,8 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                 "copies_gib": m.weight_copies / 2**30, "working_gib": m.working / 2**30,
                 "grads_with_activations": m.grads_with_activations,
                 "measured_ms": r["step_ms"],
-                "predicted_ms": est.step_time * 1e3 if base is not None else None})
+                "predicted_ms": est.step_time * 1e3 if base is not None else None,
+                "calibrated_ms": measured_ms})
   return out
 
 
@@ -93,21 +121,27 @@ def main(argv=None):
                   help="the sequence length of files whose meta lacks it")
   ap.add_argument("--layers", type=int, default=0,
                   help="the Qwen3 blocks of files whose meta lacks them")
+  ap.add_argument("--calibrate", default=None, metavar="CACHE",
+                  help="also predict step times from regions timed on this machine's first "
+                       "device (pj.calibrate; CACHE keeps the timings)")
   args = ap.parse_args(argv)
-  run._setup_cpu(True)
+  if not args.calibrate:
+    run._setup_cpu(True)
   print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
         "activations, weight copies, working; grads beside activations or the larger) | "
-        "step ms measured | predicted |")
-  print("| --- | --- | --- | --- | --- | --- |")
+        "step ms measured | predicted | from timed regions |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
   for path in args.files:
-    for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers):
+    for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers, args.calibrate):
       parts = ", ".join(f"{p[k]:.2f}" for k in ("params_gib", "grads_gib", "optimizer_gib",
                                                 "activations_gib", "copies_gib", "working_gib"))
       parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
       pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
       measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"
       print(f"| {p['model']} | {p['variant']} | {measured} | {p['predicted_gib']:.2f} ({parts}) "
-            f"| {p['measured_ms']:.1f} | {pred_ms} |", flush=True)
+            f"| {p['measured_ms']:.1f} | {pred_ms} | "
+            f"{'-' if p['calibrated_ms'] is None else format(p['calibrated_ms'], '.1f')} |",
+            flush=True)
 
 
 if __name__ == "__main__":

@@ -75,27 +75,51 @@ def _rows_of(batch: Any, rows: int) -> Any:
   return jax.tree_util.tree_map(cut, batch)
 
 
-def _filled(avals, key, device) -> list:
-  """Arrays of `avals` on `device`: small random floats, zeros otherwise."""
+# Integers (token ids, labels) of a batch given as shapes are drawn below this bound:
+# in range for any vocabulary the test models use, and spread over enough rows that an
+# embedding's scatter-add gradient does not serialize on one row as all-zero ids would.
+_INT_BOUND = 256
+# Part of a cached timing's key: timings made otherwise (each call waited for, all-zero
+# ids) do not match.
+_METHOD = f"calls back to back; ints below {_INT_BOUND} or the batch's own"
+
+
+def _filled(avals, key, device, given: list | None = None) -> list:
+  """Arrays of `avals` on `device`: `given` arrays where there are any (a concrete
+  batch's rows), else small random floats and small random integers."""
   out = []
   for i, a in enumerate(avals):
-    if jnp.issubdtype(a.dtype, jnp.floating):
+    if given is not None and given[i] is not None:
+      out.append(jax.device_put(jnp.asarray(given[i], a.dtype), device))
+    elif jnp.issubdtype(a.dtype, jnp.floating):
       x = 0.02 * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.float32)
+      out.append(jax.device_put(x.astype(a.dtype), device))
+    elif jnp.issubdtype(a.dtype, jnp.integer):
+      x = jax.random.randint(jax.random.fold_in(key, i), a.shape, 0, _INT_BOUND)
       out.append(jax.device_put(x.astype(a.dtype), device))
     else:
       out.append(jax.device_put(jnp.zeros(a.shape, a.dtype), device))
   return out
 
 
+def _batch_rows(example_batch: Any, rows: int) -> list:
+  """The batch's leaves cut to `rows` rows where they hold values, None for shapes."""
+  return [None if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(x)[:rows]
+          for x in jax.tree_util.tree_leaves(example_batch)]
+
+
 def _seconds(fn: Callable, args: tuple, repeats: int) -> float:
-  """Median wall time of `fn(*args)` after one compiling call."""
+  """Seconds per call of `fn(*args)` after one compiling call: the median of three
+  rounds of `repeats` calls dispatched back to back, as a step's tasks follow each
+  other on the device (waiting after each call would add the host's launch to it)."""
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
+  rounds = []
+  for _ in range(3):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    outs = [fn(*args) for _ in range(repeats)]
+    jax.block_until_ready(outs)
+    rounds.append((time.perf_counter() - t0) / repeats)
+  return statistics.median(rounds)
 
 
 def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
@@ -105,7 +129,9 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
 
   Args:
     loss_fn, params, example_batch: as `pj.compile` takes them (shapes are enough);
-      the batch's leading axis has at least `rows` rows.
+      the batch's leading axis has at least `rows` rows. A batch with values is timed
+      on its first rows (token ids decide how an embedding's gradient scatters);
+      leaves given as shapes get small random values.
     rows: rows of one microbatch per device (e.g. the global batch over data-parallel
       replicas and microbatches).
     device: where to time (default: the first device).
@@ -124,6 +150,7 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     raise ValueError(f"repeats must be >= 1, got {repeats!r}")
   device = device or jax.devices()[0]
   traced = trace_loss(loss_fn, params, _rows_of(example_batch, rows))
+  batch_rows = _batch_rows(example_batch, rows)
   runner = RegionRunner(traced)
   known = {}
   if cache and os.path.exists(cache):
@@ -134,7 +161,8 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
   for spec in traced.spec.regions:
     r = spec.index
     ad = analyze_region(runner, r, remat)
-    name = hashlib.sha256(repr((device.device_kind, rows, remat, str(ad.jaxpr))).encode()).hexdigest()
+    name = hashlib.sha256(repr((device.device_kind, rows, remat, _METHOD, str(ad.jaxpr))
+                               ).encode()).hexdigest()
     if name in known:
       forward[r], backward[r], inputs_only[r] = known[name]
       continue
@@ -142,7 +170,8 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     outs = runner.out_avals(r)
     ct_avals = [outs[k] for k in ad.float_outs]
     split = split_backward(ad, ct_avals)
-    inputs = tuple(_filled(avals, jax.random.fold_in(key, n), device)
+    given = [None, [batch_rows[i] for i in spec.batch], None, None]
+    inputs = tuple(_filled(avals, jax.random.fold_in(key, n), device, given[n])
                    for n, avals in enumerate((p_avals, b_avals, a_avals, ct_avals)))
 
     def fwd(p, b, a):

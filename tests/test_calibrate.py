@@ -4,6 +4,8 @@ the simulator and the planner in place of FLOP counts."""
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -42,6 +44,28 @@ def test_every_region_is_timed_and_the_cache_is_reused(tmp_path, monkeypatch):
   assert again == times
   with pytest.raises(ValueError, match="needs >= 16 rows"):
     pj.calibrate(loss, params, batch, rows=16)
+
+
+def test_regions_are_timed_on_the_batchs_own_token_ids(monkeypatch):
+  # Token ids decide how an embedding's gradient scatters (all-zero ids serialize it on
+  # one row): a batch with values is timed on its first rows, one given as shapes on
+  # ids spread over many rows.
+  loss, params, _ = _tiny()
+  config = gpt.get_config("tiny", n_stages=2, n_layers=4)
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8)
+  cal = sys.modules["piper_jax.calibrate"]
+  seen = []
+  monkeypatch.setattr(cal, "_seconds",
+                      lambda fn, args, repeats: seen.append(args[1]) or 1e-3)
+  pj.calibrate(loss, params, batch, rows=2, repeats=1)
+  first = jax.tree_util.tree_leaves(batch)
+  ints = [x for args in seen for x in args if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert ints and all(any(x.shape == y[:2].shape and bool((x == y[:2]).all()) for y in first)
+                      for x in ints)
+  seen.clear()
+  pj.calibrate(loss, params, jax.eval_shape(lambda: batch), rows=2, repeats=1)
+  ints = [x for args in seen for x in args if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert ints and all(len(set(np.asarray(x).ravel().tolist())) > 1 for x in ints)
 
 
 def test_simulate_takes_per_region_costs():
