@@ -11,7 +11,9 @@ the data-parallel axis (default `--zero`). Interleaved and DualPipeV hold two st
 per rank. Each pipeline row also gives the simulator's prediction (`plan.simulate`
 with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row of
 the same run: predicted = DP step time x makespan / (work per rank); the JSON's
-`sim_tick_ms` predicts from `tick_makespan` (tick by tick, as the lowering runs). `dp@b25` is
+`sim_tick_ms` predicts from `tick_makespan` (tick by tick, as the lowering runs). With
+`--calibrate CACHE` the prediction is from the step's regions timed on the first GPU at
+the microbatch rows instead (`pj.calibrate`, tick by tick: `sim_timed_ms`). `dp@b25` is
 data parallel with gradients all-reduced in 25 MB buckets during the backward. `shmap-dp`
 is plain JAX data parallel written with `shard_map` (loss and gradients per device, then
 `pmean`): the fair baseline for MoE models, whose `jit-dp` routes the global batch as
@@ -365,11 +367,14 @@ def init_params(family, net, seed: int = 0):
 
 
 def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
-              zero: int = 0, attention: str | None = None, seq_len: int = 0, layers: int = 0):
+              zero: int = 0, attention: str | None = None, seq_len: int = 0, layers: int = 0,
+              calibrate: str | None = None):
   """Builds one variant's training step on this process's devices.
 
   Returns (call, state, batches, config, sim): `call(state, batch) -> (state, loss)`,
-  four random global batches, and the simulator's prediction for pipelines.
+  four random global batches, and the simulator's prediction for pipelines (with
+  `calibrate`, a cache file, also from the step's regions timed on the first device at
+  its microbatch rows: "sim_timed_ms").
   """
   import jax
   import numpy as np
@@ -445,6 +450,12 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
       work = sum(t.cost for t in call.plan.tasks.values()) / call.plan.n_ranks
       sim = {**sim, "sim_makespan": report.makespan, "sim_tick_makespan": report.tick_makespan,
              "sim_work_per_rank": work, "sim_bubble": report.bubble_fraction}
+      if calibrate:
+        plan = call.plan
+        rows = batch // (plan.mesh.n_data * plan.n_microbatches)
+        times = pj.calibrate(loss_fn, params, batches[0], rows, remat=options.remat is not False,
+                             cache=calibrate)
+        sim["sim_timed_ms"] = plan.simulate(times.costs(rows)).tick_makespan * 1e3
   return call, state, batches, config, sim
 
 
@@ -488,7 +499,7 @@ def _progress(text: str):
 
 def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: int, warmup: int,
                 pp: int = 2, zero: int = 0, attention: str | None = None, seq_len: int = 0,
-                layers: int = 0):
+                layers: int = 0, calibrate: str | None = None):
   """Runs one variant in this process; returns its row."""
   import jax
   import numpy as np
@@ -499,7 +510,7 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   n = len(devices)
   t_start = time.perf_counter()
   call, state, batches, config, sim = make_step(variant, model, batch, microbatches, pp, zero,
-                                                attention, seq_len, layers)
+                                                attention, seq_len, layers, calibrate)
   tokens = batch * config.seq_len
   _progress(f"{variant}: built in {time.perf_counter() - t_start:.1f} s")
 
@@ -557,6 +568,7 @@ def _child(args, variant, model):
   cmd += ["--seq-len", str(args.seq_len)] if args.seq_len else []
   cmd += ["--layers", str(args.layers)] if args.layers else []
   cmd += ["--attention", args.attention] if args.attention else []
+  cmd += ["--calibrate", args.calibrate] if args.calibrate else []
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   if "xla" in split_variant(variant)[1]:  # process-wide XLA options, such as the allocator
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
@@ -620,7 +632,8 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
     ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {name}" if b else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-    sim = f"{r['sim_ms']:.1f}" if r.get("sim_ms") else "-"
+    sim = r.get("sim_timed_ms") or r.get("sim_ms")
+    sim = f"{sim:.1f}" if sim else "-"
     blocked = f"{r['step_ms_blocked']:.1f}" if r.get("step_ms_blocked") else "-"
     host = f"{r['dispatch_ms']:.1f}" if r.get("dispatch_ms") else "-"
     lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | {blocked} | {host} | {sim} | "
@@ -645,6 +658,10 @@ def main(argv=None):
   ap.add_argument("--attention", default=None, choices=["xla", "cudnn"],
                   help="attention implementation (default: cuDNN for bf16 on GPU, else XLA)")
   ap.add_argument("--small", action="store_true", help="tiny model on 8 CPU devices")
+  ap.add_argument("--calibrate", default=None, metavar="CACHE",
+                  help="pipelines also simulate from their regions timed on the first device "
+                       "at the microbatch rows (pj.calibrate; CACHE keeps the timings): the "
+                       "table's sim ms, the JSON's sim_timed_ms")
   ap.add_argument("--xla-flags", default="",
                   help="XLA flags added to XLA_FLAGS for the variants with a +xla suffix "
                        "(--xla-flags='--xla_flag=value ...')")
@@ -680,7 +697,8 @@ def main(argv=None):
   _setup_cpu(args.small)
   if args.child:
     row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,
-                      args.pp, args.zero, args.attention, args.seq_len, args.layers)
+                      args.pp, args.zero, args.attention, args.seq_len, args.layers,
+                      args.calibrate)
     print("ROW " + json.dumps(row), flush=True)
     return row
   rows = []

@@ -272,3 +272,20 @@ def test_results_meta_keeps_the_shape_arguments_a_script_has(tmp_path):
   meta = json.loads(out.read_text())["meta"]
   assert meta["pp"] == 2 and meta["seq_len"] == 4096 and "layers" not in meta
   assert meta["torch"] == "2.11"
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_rows_simulate_from_timed_regions(tmp_path):
+  # --calibrate: a pipeline row's prediction from its regions timed at the microbatch
+  # rows (here 32 / (4 replicas x 4 microbatches) = 2), cached for the next row.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  cache = tmp_path / "times.json"
+  _, _, _, _, sim = run.make_step("pp-1f1b", "tiny", batch=32, microbatches=4,
+                                  calibrate=str(cache))
+  assert sim["sim_timed_ms"] > 0 and cache.exists()
+  timed = json.load(open(cache))
+  assert timed and all(len(v) == 3 for v in timed.values())
+  rows = [{"model": "tiny", "variant": "pp-1f1b", "devices": 8, "step_ms": 3.0,
+           "tokens_per_s": 1.0, "compile_s": 1.0, **sim}]
+  assert f"| {sim['sim_timed_ms']:.1f} |" in run.table(rows)
