@@ -81,7 +81,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                                  batch, directives, n, costs=costs, remat=remat,
                                  options=run.lowering_options(mods))
     m = est.memory
-    measured_ms = None
+    timed_ms = None
     if calibrate:
       # Time what the row ran: its attention, its microbatch rows, remat as compiled.
       _, timed_net, _ = run.build(variant, model, n, meta["microbatches"], pp,
@@ -99,7 +99,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
           family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params, batch, directives,
           n, costs=dataclasses.replace(costs, region_times=times), remat=remat,
           options=run.lowering_options(mods))
-      measured_ms = timed.step_time * 1e3
+      timed_ms = timed.step_time * 1e3
     out.append({"file": os.path.basename(path), "model": model, "variant": variant,
                 "measured_gib": r.get("peak_gib"), "predicted_gib": m.total / 2**30,
                 "params_gib": m.params / 2**30, "grads_gib": m.grads / 2**30,
@@ -108,7 +108,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                 "grads_with_activations": m.grads_with_activations,
                 "measured_ms": r["step_ms"],
                 "predicted_ms": est.step_time * 1e3 if base is not None else None,
-                "calibrated_ms": measured_ms})
+                "calibrated_ms": timed_ms})
   return out
 
 

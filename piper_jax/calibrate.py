@@ -86,7 +86,9 @@ _METHOD = f"calls back to back; ints below {_INT_BOUND} or the batch's own"
 
 def _filled(avals, key, device, given: list | None = None) -> list:
   """Arrays of `avals` on `device`: `given` arrays where there are any (a concrete
-  batch's rows), else small random floats and small random integers."""
+  batch's rows), else small random floats, and small random integers where `given`
+  is a list (batch leaves) and zeros elsewhere (indices between regions, whose range
+  only the model knows)."""
   out = []
   for i, a in enumerate(avals):
     if given is not None and given[i] is not None:
@@ -94,7 +96,7 @@ def _filled(avals, key, device, given: list | None = None) -> list:
     elif jnp.issubdtype(a.dtype, jnp.floating):
       x = 0.02 * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.float32)
       out.append(jax.device_put(x.astype(a.dtype), device))
-    elif jnp.issubdtype(a.dtype, jnp.integer):
+    elif given is not None and jnp.issubdtype(a.dtype, jnp.integer):
       x = jax.random.randint(jax.random.fold_in(key, i), a.shape, 0, _INT_BOUND)
       out.append(jax.device_put(x.astype(a.dtype), device))
     else:
