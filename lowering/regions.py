@@ -26,13 +26,14 @@ __all__ = ["RegionAD", "analyze_region", "region_key", "relabel"]
 
 # Equations cheap enough to redo in B instead of storing their result per microbatch:
 # casts, layout changes, masks and elementwise arithmetic (a bf16 copy of a weight, a
-# causal mask, GELU's intermediates, LayerNorm's normalized input). XLA fuses the redone
+# causal mask, GELU's intermediates, LayerNorm's normalized input, rotary tables). XLA fuses the redone
 # equations into B's kernels, which then read one array where F stored several.
 _CHEAP = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
                     "expand_dims", "iota", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
                     "select_n", "copy", "slice", "neg", "add", "sub", "mul", "div", "max", "min",
                     "abs", "sign", "square", "sqrt", "rsqrt", "exp", "exp2", "log", "log1p", "expm1",
-                    "tanh", "logistic", "erf", "integer_pow", "pow", "clamp"})
+                    "tanh", "logistic", "erf", "erfc", "integer_pow", "pow", "clamp", "sin", "cos",
+                    "floor", "ceil", "round", "is_finite", "reduce_precision"})
 # At most this many equations are redone for one residual; longer chains are stored.
 _MAX_CONE = 64
 

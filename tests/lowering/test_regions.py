@@ -70,3 +70,25 @@ def test_a_stage_of_other_shapes_is_traced_apart(monkeypatch):
   prog, traced = _compile((16, 16, 32, 16), monkeypatch)
   assert traced == [0, 1, 2, 3]
   assert prog.ad[2].stored != prog.ad[1].stored
+
+
+def test_rotary_tables_are_recomputed_not_stored():
+  # cos and sin of positions (rotary embeddings) depend on no input: B redoes them
+  # instead of F storing them per microbatch; the matmul's input is what F keeps.
+  from piper_jax.lowering.local import RegionRunner
+  from piper_jax.lowering.regions import analyze_region
+  from piper_jax.lowering.trace import trace_loss
+
+  def loss(params, batch):
+    with pj.annotate("PP"):
+      pos = jnp.arange(batch["x"].shape[1], dtype=jnp.float32)
+      angle = pos[:, None] * params["freq"][None, :]
+      x = batch["x"] * jnp.cos(angle) + batch["x"] * jnp.sin(angle)
+      y = x @ params["w"]
+    return jnp.mean(y ** 2)
+
+  params = {"freq": jnp.ones((D,)), "w": jnp.ones((D, D))}
+  batch = {"x": jnp.ones((4, 16, D))}
+  runner = RegionRunner(trace_loss(loss, params, batch))
+  stored = analyze_region(runner, 0, remat=False).stored_avals
+  assert [tuple(a.shape) for a in stored] == [(4, 16, D)], stored
