@@ -64,6 +64,11 @@ class Store:
   def scratch(self) -> int:
     return self.depth
 
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the buffer, scratch row included (every device allocates it)."""
+    return (self.depth + 1) * int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
 
 @dataclasses.dataclass(frozen=True)
 class Round:
@@ -105,6 +110,11 @@ class ScheduleTable:
   @property
   def n_slots(self) -> int:
     return self.code.shape[2]
+
+  @property
+  def store_bytes(self) -> int:
+    """Bytes of all stores: the same on every device, since one program runs every rank."""
+    return sum(st.nbytes for st in self.stores)
 
   def kind_index(self, *steps: tuple[int, Any]) -> int:
     """The index of the kind whose steps are `steps` ((region, pass) pairs)."""

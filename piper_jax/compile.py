@@ -424,7 +424,10 @@ class TrainStep:
     """The plan, the lowering options that differ from the defaults, and the collectives
     the compiled step runs (`collectives`)."""
     changed = self.options.changed()
-    lowered = ("one loop over all ticks" if self.tick_loop else
+    loop = self._program.tick_loop
+    lowered = (f"one loop over all ticks: {len(loop.table.kinds)} task kinds, "
+               f"{len(loop.table.stores)} value stores of {loop.table.store_bytes / 2**20:.1f} MiB "
+               f"on every device" if loop is not None else
                "per tick" + (", steady state rolled" if self.rolled else ""))
     return "\n".join([str(self.plan),
                       f"lowering options: {changed or 'defaults'} (lowered {lowered})",

@@ -5,6 +5,7 @@ number of microbatches."""
 import re
 
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -76,6 +77,13 @@ def test_pipelines_run_as_one_loop_unless_their_tasks_run_collectives(dp, zero, 
   step = _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp)
   assert step.tick_loop is loops and step.options.tick_loop is None
   assert ("one loop over all ticks" in step.describe()) is loops
+  if loops:  # what every device allocates for the values that outlive a tick
+    table = step._program.tick_loop.table
+    assert table.store_bytes == sum(
+        (st.depth + 1) * int(np.prod(st.shape)) * np.dtype(st.dtype).itemsize
+        for st in table.stores) > 0
+    assert f"{len(table.stores)} value stores of {table.store_bytes / 2**20:.1f} MiB" in (
+        step.describe())
   assert _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp,
                 pj.LoweringOptions(tick_loop=not loops)).tick_loop is not loops
 
