@@ -88,13 +88,11 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                                   attention=r.get("attention"),
                                   seq_len=meta.get("seq_len") or seq_len,
                                   layers=meta.get("layers") or layers)
-      plan = est.plan
-      rows = meta["batch"] // (plan.mesh.n_data * plan.n_microbatches)
-      use_remat = plan.mesh.n_pp > 1 if remat is None else remat
+      use_remat = est.plan.mesh.n_pp > 1 if remat is None else remat
       # Real token ids: an embedding's gradient scatters by them.
       values = family.random_batch(config, key, meta["batch"])
-      times = pj.calibrate(family.loss_fn(timed_net), params, values, rows, remat=use_remat,
-                           cache=calibrate)
+      times, _ = run.timed_regions(family.loss_fn(timed_net), params, values, est.plan,
+                                   use_remat, calibrate)
       timed = pj.strategies.estimate(
           family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params, batch, directives,
           n, costs=dataclasses.replace(costs, region_times=times), remat=remat,

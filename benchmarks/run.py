@@ -366,6 +366,16 @@ def init_params(family, net, seed: int = 0):
   return jax.tree_util.tree_unflatten(tree, [leaf(i, p, s) for i, (p, s) in enumerate(flat)])
 
 
+def timed_regions(loss_fn, params, batch, plan, remat: bool, cache: str):
+  """(`pj.calibrate` of every region at `plan`'s microbatch rows on the first device,
+  those rows), for a global `batch` with values (its token ids are timed)."""
+  import jax
+
+  import piper_jax as pj
+  rows = jax.tree_util.tree_leaves(batch)[0].shape[0] // (plan.mesh.n_data * plan.n_microbatches)
+  return pj.calibrate(loss_fn, params, batch, rows, remat=remat, cache=cache), rows
+
+
 def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
               zero: int = 0, attention: str | None = None, seq_len: int = 0, layers: int = 0,
               calibrate: str | None = None):
@@ -451,11 +461,9 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
       sim = {**sim, "sim_makespan": report.makespan, "sim_tick_makespan": report.tick_makespan,
              "sim_work_per_rank": work, "sim_bubble": report.bubble_fraction}
       if calibrate:
-        plan = call.plan
-        rows = batch // (plan.mesh.n_data * plan.n_microbatches)
-        times = pj.calibrate(loss_fn, params, batches[0], rows, remat=options.remat is not False,
-                             cache=calibrate)
-        sim["sim_timed_ms"] = plan.simulate(times.costs(rows)).tick_makespan * 1e3
+        times, rows = timed_regions(loss_fn, params, batches[0], call.plan,
+                                    options.remat is not False, calibrate)
+        sim["sim_timed_ms"] = call.plan.simulate(times.costs(rows)).tick_makespan * 1e3
   return call, state, batches, config, sim
 
 

@@ -120,7 +120,7 @@ class Program:
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self._plan_grads()
     self._plan_values()
-    self.tick_loop = TickLoop(self) if self._loops(options) else None
+    self.tick_loop = TickLoop(self) if lowers_as_loop(plan, options) else None
     if self.tick_loop is not None:
       self.buckets = {}  # the loop reduces gradients once, after its last tick
     self.window = (find_window(self, max_depth=options.max_carry_depth)
@@ -133,10 +133,6 @@ class Program:
     # collectives before it (`order_collectives`, which `pj.compile` sets on CPU);
     # GPUs run one program order, where a ppermute may overlap the next tick's work.
     self.order_collectives = order_collectives
-
-  def _loops(self, options: LoweringOptions) -> bool:
-    """Whether the plan is lowered as one loop over its ticks (`lowers_as_loop`)."""
-    return lowers_as_loop(self.plan, options)
 
   def _analyze_regions(self, runner: RegionRunner, plan: Plan, options: LoweringOptions):
     """Each region's vjp analysis (`ad`) and backward split (`split`), traced once per
