@@ -73,7 +73,8 @@ class MemoryEstimate:
       weights), gradients and optimizer state.
     activations: what forward passes keep for their backward passes, at their peak.
     weight_copies: the weights cast once per step to the dtype the model reads them in
-      (a pipeline keeps them for the whole step).
+      (a pipeline keeps them for the whole step; ZeRO-1/2's distributed optimizer
+      gathers them whole from the sharded fp32 parameters).
     working: what the largest backward recomputes, beyond what its forward kept, of
       the residuals remat dropped.
     grads_with_activations: gradients live beside the activations (a pipeline or
@@ -517,10 +518,13 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool,
     # gathered between its microbatches; without a pipeline it gathers one region at a time.
     gathered = (sum(read(p) for p in leaves) if pipelined else max(region_read, default=0)
                 ) if zero >= 3 else 0
-    # Below ZeRO-3 a pipeline casts its weights once a step and keeps the copies.
-    copies = int(sum(read(p) for p in leaves if p in model.copy_ratio)
-                 ) if pipelined and zero < 3 else 0
-    params = int(p_bytes / (n if zero >= 3 else 1) + by_zero(3) + gathered)
+    cast = int(sum(read(p) for p in leaves if p in model.copy_ratio))
+    # ZeRO-1/2 with weights read in a narrower dtype keep the fp32 parameters sharded
+    # and gather the narrow copy as the step starts (the distributed optimizer); below
+    # ZeRO-3 a pipeline also casts its weights once a step and keeps the copies.
+    masters = options.shard_masters and zero in (1, 2) and n > 1 and cast > 0
+    copies = cast if masters or (pipelined and zero < 3) else 0
+    params = int(p_bytes / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
     grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))
     opt = int((p_bytes / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
@@ -675,7 +679,9 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   their peak. Without accumulation or a pipeline, gradients and activations count as
   the larger of the two (one backward frees the one as it makes the other). A pipeline
   also keeps its weights cast once a step (the bf16 copies of fp32 masters) and, under
-  remat, the largest backward's recomputed residuals. XLA's temporaries, communication
+  remat, the largest backward's recomputed residuals. ZeRO-1/2 of a model that reads
+  its fp32 weights in bf16 shard the fp32 parameters too and hold the bf16 copy whole
+  (`LoweringOptions.shard_masters`). XLA's temporaries, communication
   buffers and fragmentation are left out: leave headroom.
 
   Args:

@@ -293,3 +293,26 @@ def test_one_loop_holds_the_largest_ranks_activations_on_every_device():
   # first rank's activations.
   assert tick.params == loop.params == 4 << 20
   assert loop.activations > 4 * tick.activations and loop.total > tick.total
+
+
+@pytest.mark.timeout(90)
+def test_distributed_optimizer_shards_the_masters_and_gathers_the_bf16_copy():
+  # ZeRO-1 over 4 replicas of a bf16-compute model: the fp32 parameters are sharded like
+  # the optimizer state and the bf16 copy is whole, as the compiled step holds them.
+  import jax.numpy as jnp
+  loss, params, batch = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2, dtype=jnp.bfloat16)), 16)
+  tx = optax.adam(1e-3)
+  directives = pj.strategies.data_parallel(4, zero=1)
+  m = pj.strategies.estimate(loss, tx, params, batch, directives, 4).memory
+  plain = pj.strategies.estimate(loss, tx, params, batch, directives, 4,
+                                 options=pj.LoweringOptions(shard_masters=False)).memory
+  fp32 = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  assert plain.params == pytest.approx(fp32, rel=1e-6) and plain.weight_copies == 0
+  assert m.params == pytest.approx(fp32 / 4, rel=1e-6)
+  assert fp32 / 2 * 0.9 < m.weight_copies <= fp32 / 2  # the leaves read in bf16
+  # The step's state on a device is its shard of the fp32 parameters and of adam's moments.
+  step = pj.compile(loss, tx, directives, params, batch, devices=jax.devices()[:4])
+  state = step.init(params)
+  held = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state)
+             for s in x.addressable_shards if s.device == jax.devices()[0])
+  assert held == pytest.approx(m.params + m.optimizer, rel=0.05)
