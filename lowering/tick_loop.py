@@ -48,7 +48,24 @@ class LoopCarry:
   loss: jax.Array
 
 
+@dataclasses.dataclass
+class SlotOut:
+  """What a slot's branch returns: per write position (`TickLoop.positions`), the value
+  it made and the store row it goes to (the store's scratch row where the kind writes
+  fewer values there), and the gradient sums and loss. The stores themselves stay out
+  of the switch: a branch that returned them would make XLA give the switch's output
+  its own buffers, copying every store in every slot."""
+
+  values: list
+  rows: list
+  acc: dict
+  split_acc: dict
+  loss: jax.Array
+
+
 jax.tree_util.register_dataclass(LoopCarry, data_fields=["stores", "acc", "split_acc", "loss"],
+                                 meta_fields=[])
+jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "rows", "acc", "split_acc", "loss"],
                                  meta_fields=[])
 
 
@@ -66,6 +83,14 @@ class TickLoop:
     for kind, (ti, r, n) in zip(self.table.kinds, self.table.first):
       ts = prog.plan.ticks[ti][r][n:n + len(kind.steps)]
       self._tasks.append([dataclasses.replace(t, mb=0) for t in ts])
+    # Write positions: (store, n) for the n-th value a kind writes to that store, as
+    # many per store as the kind that writes it most.
+    most: dict[int, int] = {}
+    for kind in self.table.kinds:
+      for st in set(kind.writes):
+        most[st] = max(most.get(st, 0), kind.writes.count(st))
+    self.positions: list[tuple[int, int]] = [(st, n) for st in sorted(most)
+                                             for n in range(most[st])]
 
   # -- the branches ---------------------------------------------------------
 
@@ -79,8 +104,7 @@ class TickLoop:
     reads_params = set().union(*(prog.model.regions[t.region].params for t in tasks))
 
     def run(ops):
-      c: LoopCarry = ops["carry"]
-      stores = list(c.stores)
+      stores = ops["stores"]
       made: dict = {}   # what the steps made, read by the steps after them
 
       def read(key):
@@ -102,25 +126,36 @@ class TickLoop:
                   "leaves": params.get("leaves", [])}
       param = prog.param_reader(params, gathered)
       grad_acc: dict = {}
-      loss = c.loss
+      loss = ops["loss"]
       for t in tasks:
         batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0)
                  for b in prog.model.regions[t.region].batch]
         loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
+      out = self._nothing_written(ops, loss)
+      seen: dict[int, int] = {}
       for j, key in enumerate(write_keys):
-        s = kind.writes[j]
-        x = made[key].astype(stores[s].dtype)
-        stores[s] = lax.dynamic_update_index_in_dim(stores[s], x, ops["write_rows"][j], 0)
-      acc, split_acc = dict(c.acc), dict(c.split_acc)
+        st = kind.writes[j]
+        p = self.positions.index((st, seen.get(st, 0)))
+        seen[st] = seen.get(st, 0) + 1
+        out.values[p] = made[key].astype(stores[st].dtype)
+        out.rows[p] = ops["write_rows"][j]
       if any(t.pass_ in _GRAD_PASSES for t in tasks):
-        prog.add_task_grads(rank, grad_acc, acc, split_acc)
-      return LoopCarry(stores, acc, split_acc, loss)
+        prog.add_task_grads(rank, grad_acc, out.acc, out.split_acc)
+      return out
 
     return run
 
-  @staticmethod
-  def _idle(ops):
-    return ops["carry"]
+  def _nothing_written(self, ops, loss) -> SlotOut:
+    """A slot's result before its kind fills it in: every position a zero value for its
+    store's scratch row, the sums and loss as they came."""
+    stores = self.table.stores
+    return SlotOut([jnp.zeros(stores[st].shape, jnp.dtype(stores[st].dtype))
+                    for st, _ in self.positions],
+                   [jnp.int32(stores[st].scratch) for st, _ in self.positions],
+                   dict(ops["acc"]), dict(ops["split_acc"]), loss)
+
+  def _idle(self, ops) -> SlotOut:
+    return self._nothing_written(ops, ops["loss"])
 
   # -- the loop -------------------------------------------------------------
 
@@ -138,9 +173,14 @@ class TickLoop:
 
     def tick(i, c: LoopCarry) -> LoopCarry:
       def slot(s, c: LoopCarry) -> LoopCarry:
-        ops = {"carry": c, "params": params, "batch": batch, "mb": mb[i, rank, s],
+        ops = {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
+               "params": params, "batch": batch, "mb": mb[i, rank, s],
                "read_rows": read_rows[i, rank, s], "write_rows": write_rows[i, rank, s]}
-        return lax.switch(code[i, rank, s], branches, ops)
+        out: SlotOut = lax.switch(code[i, rank, s], branches, ops)
+        stores = list(c.stores)
+        for p, (st, _) in enumerate(self.positions):
+          stores[st] = lax.dynamic_update_index_in_dim(stores[st], out.values[p], out.rows[p], 0)
+        return LoopCarry(stores, out.acc, out.split_acc, out.loss)
 
       c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
       stores = list(c.stores)
