@@ -52,7 +52,9 @@ lets the rolled loop carry values up to 4 iterations (`LoweringOptions.max_carry
 DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
 `+loop` lowers a pipeline as one loop over all its ticks, the plan as data
 (`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default).
-`+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
+`+writeafter` has the loop's branches return the values they made, written into the
+stores after the slot's switch (`LoweringOptions.write_stores_after_switch`, the default
+on CPU only). `+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
 backward (`LoweringOptions.zero3_reshard` off). `+spread` stores slots whose pipeline ranks' parts
 are uneven spread over all devices (`LoweringOptions.spread_uneven_slots`).
 `+ac` checkpoints every block of a Qwen3 model (its `remat`: the backward
@@ -322,6 +324,7 @@ def lowering_options(mods: list[str]):
       wide_weight_grads="nowidegrad" not in mods,
       slim_carry="noslimcarry" not in mods,
       zero3_reshard="keepgathered" not in mods,
+      write_stores_after_switch=True if "writeafter" in mods else None,
       spread_uneven_slots="spread" in mods,
       compiler_options={} if "nocmdbuf" in mods else None)
 

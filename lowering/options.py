@@ -56,6 +56,10 @@ class LoweringOptions:
       GEMM writing fp32, with no bf16 rounding or convert before the sum.
     slim_carry: ZB's BI hands BW the smaller values BW's cheap equations make the
       values it reads from, and BW redoes those equations.
+    write_stores_after_switch: the loop's branches return the values they made and the
+      rows they go to, written into the stores after the slot's switch, instead of
+      returning the stores written in place. None: on CPU only, where XLA gives a switch
+      that returns the stores buffers of its own and copies every store in every slot.
     zero3_reshard: ZeRO-3 gathers a region's weights again for its backward (PyTorch
       FSDP's reshard_after_forward): a device holds the weights of the ticks in flight.
       False lets XLA keep each region's weights from its forward gather to its backward:
@@ -77,6 +81,7 @@ class LoweringOptions:
   column_sum_rows: int = 4096
   wide_weight_grads: bool = True
   slim_carry: bool = True
+  write_stores_after_switch: bool | None = None
   zero3_reshard: bool = True
   compiler_options: Mapping[str, object] | None = None
 

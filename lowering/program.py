@@ -103,7 +103,8 @@ class Program:
 
   def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout,
                options: LoweringOptions | None = None, order_collectives: bool = False):
-    """`options.remat` None is taken as False here; `pj.compile` resolves it."""
+    """`options.remat` and `options.write_stores_after_switch` None are taken as False
+    here; `pj.compile` resolves them."""
     self.options = options = options or LoweringOptions()
     self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
     self.model = runner.spec

@@ -50,11 +50,11 @@ class LoopCarry:
 
 @dataclasses.dataclass
 class SlotOut:
-  """What a slot's branch returns: per write position (`TickLoop.positions`), the value
-  it made and the store row it goes to (the store's scratch row where the kind writes
-  fewer values there), and the gradient sums and loss. The stores themselves stay out
-  of the switch: a branch that returned them would make XLA give the switch's output
-  its own buffers, copying every store in every slot."""
+  """What a slot's branch returns when the stores are written after the switch
+  (`LoweringOptions.write_stores_after_switch`): per write position
+  (`TickLoop.positions`), the value it made and the store row it goes to (the store's
+  scratch row where the kind writes fewer values there), and the gradient sums and
+  loss. Otherwise a branch returns the whole `LoopCarry`, stores written in place."""
 
   values: list
   rows: list
@@ -91,6 +91,7 @@ class TickLoop:
         most[st] = max(most.get(st, 0), kind.writes.count(st))
     self.positions: list[tuple[int, int]] = [(st, n) for st in sorted(most)
                                              for n in range(most[st])]
+    self.write_after = bool(prog.options.write_stores_after_switch)
 
   # -- the branches ---------------------------------------------------------
 
@@ -131,31 +132,37 @@ class TickLoop:
         batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0)
                  for b in prog.model.regions[t.region].batch]
         loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
-      out = self._nothing_written(ops, loss)
-      seen: dict[int, int] = {}
-      for j, key in enumerate(write_keys):
-        st = kind.writes[j]
-        p = self.positions.index((st, seen.get(st, 0)))
-        seen[st] = seen.get(st, 0) + 1
-        out.values[p] = made[key].astype(stores[st].dtype)
-        out.rows[p] = ops["write_rows"][j]
+      written = [(kind.writes[j], made[key].astype(stores[kind.writes[j]].dtype),
+                  ops["write_rows"][j]) for j, key in enumerate(write_keys)]
+      acc, split_acc = dict(ops["acc"]), dict(ops["split_acc"])
       if any(t.pass_ in _GRAD_PASSES for t in tasks):
-        prog.add_task_grads(rank, grad_acc, out.acc, out.split_acc)
-      return out
+        prog.add_task_grads(rank, grad_acc, acc, split_acc)
+      if self.write_after:
+        return self._slot_out(written, acc, split_acc, loss)
+      stores = list(stores)
+      for st, x, row in written:
+        stores[st] = lax.dynamic_update_index_in_dim(stores[st], x, row, 0)
+      return LoopCarry(stores, acc, split_acc, loss)
 
     return run
 
-  def _nothing_written(self, ops, loss) -> SlotOut:
-    """A slot's result before its kind fills it in: every position a zero value for its
-    store's scratch row, the sums and loss as they came."""
+  def _slot_out(self, written, acc, split_acc, loss) -> SlotOut:
+    """A slot's result for the stores written after the switch: the `written` (store,
+    value, row) at their positions, a zero value for its store's scratch row at the others."""
     stores = self.table.stores
-    return SlotOut([jnp.zeros(stores[st].shape, jnp.dtype(stores[st].dtype))
-                    for st, _ in self.positions],
-                   [jnp.int32(stores[st].scratch) for st, _ in self.positions],
-                   dict(ops["acc"]), dict(ops["split_acc"]), loss)
+    values = [jnp.zeros(stores[st].shape, jnp.dtype(stores[st].dtype)) for st, _ in self.positions]
+    rows = [jnp.int32(stores[st].scratch) for st, _ in self.positions]
+    seen: dict[int, int] = {}
+    for st, x, row in written:
+      p = self.positions.index((st, seen.get(st, 0)))
+      seen[st] = seen.get(st, 0) + 1
+      values[p], rows[p] = x, row
+    return SlotOut(values, rows, acc, split_acc, loss)
 
-  def _idle(self, ops) -> SlotOut:
-    return self._nothing_written(ops, ops["loss"])
+  def _idle(self, ops):
+    if self.write_after:
+      return self._slot_out([], dict(ops["acc"]), dict(ops["split_acc"]), ops["loss"])
+    return LoopCarry(ops["stores"], ops["acc"], ops["split_acc"], ops["loss"])
 
   # -- the loop -------------------------------------------------------------
 
@@ -176,7 +183,9 @@ class TickLoop:
         ops = {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
                "params": params, "batch": batch, "mb": mb[i, rank, s],
                "read_rows": read_rows[i, rank, s], "write_rows": write_rows[i, rank, s]}
-        out: SlotOut = lax.switch(code[i, rank, s], branches, ops)
+        out = lax.switch(code[i, rank, s], branches, ops)
+        if not self.write_after:
+          return out
         stores = list(c.stores)
         for p, (st, _) in enumerate(self.positions):
           stores[st] = lax.dynamic_update_index_in_dim(stores[st], out.values[p], out.rows[p], 0)

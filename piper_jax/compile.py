@@ -175,6 +175,9 @@ class TrainStep:
     options = options or LoweringOptions()
     if options.remat is None:  # faster and smaller in every pipeline measured
       options = dataclasses.replace(options, remat=pm.n_pp > 1)
+    if options.write_stores_after_switch is None:
+      options = dataclasses.replace(
+          options, write_stores_after_switch=self.devices[0].platform == "cpu")
     self.options: LoweringOptions = options
     casts = traced.param_casts() if options.cast_weights else {}
     self._layout = layout = ParamLayout(traced.spec, plan, split, casts, options)

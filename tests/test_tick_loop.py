@@ -30,6 +30,19 @@ def test_tick_loop_same_numbers(schedule, n_stages, dp, zero):
   assert step.rolled is None and step.options.tick_loop
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_stores_written_inside_or_after_the_switch_give_the_same_numbers(schedule):
+  # After the switch is the default on CPU; inside it (each branch returns the stores it
+  # wrote in place) the default on GPUs.
+  params = init_mlp(jax.random.PRNGKey(0), 4)
+  directives = pj.strategies.pipeline(4, 4, schedule)
+  for after in (False, None):
+    options = pj.LoweringOptions(tick_loop=True, write_stores_after_switch=after)
+    step, _ = assert_same_run(mlp_loss(4), params, directives, options=options)
+    assert step.options.write_stores_after_switch is (after is None)
+    assert bool(step._program.tick_loop.positions) and step._program.tick_loop.write_after is (after is None)
+
+
 def test_tick_loop_expert_parallel_x_pipeline(batches_of):
   config, loss, params = moe_gpt(2)
   batches_of(config)
