@@ -26,10 +26,15 @@ import run  # noqa: E402
 
 
 def variant_of(c) -> str | None:
-  """run.py's variant for a search candidate (None for accumulation without a pipeline)."""
+  """run.py's variant for a search candidate (None for accumulation without a pipeline,
+  and for expert parallelism over ZeRO without one, which run.py has no variant for)."""
+  ep = any(word.startswith("ep") for word in c.name.split())  # "dp4 zero0 ep4"
   if c.schedule == "dp":
-    return None if c.n_microbatches > 1 else "dp" if c.zero == 0 else f"zero{c.zero}"
-  return f"pp-{c.schedule}" + (f"@z{c.zero}" if c.dp > 1 and c.zero else "")
+    if c.n_microbatches > 1 or (ep and c.zero):
+      return None
+    return "dp+ep" if ep else "dp" if c.zero == 0 else f"zero{c.zero}"
+  return (f"pp-{c.schedule}" + (f"@z{c.zero}" if c.dp > 1 and c.zero else "")
+          + ("+ep" if ep else ""))
 
 
 def main(argv=None):
@@ -55,8 +60,9 @@ def main(argv=None):
   model, n, kind = rows[0]["model"], rows[0]["devices"], rows[0]["device_kind"]
   costs, base = baseline_costs(rows, args.link_gbps * 1e9)
   if base is None:
-    raise ValueError("the files hold no jit-dp or gspmd-fsdp row: the estimates take their "
-                     "matmul FLOP/s from the call's plain-JAX baseline; add a file with one")
+    raise ValueError("the files hold no jit-dp, gspmd-fsdp or shmap-dp row: the estimates "
+                     "take their matmul FLOP/s from the call's plain-JAX baseline; add a file "
+                     "with one")
   config = run._config(model, args.regions, attention="xla+remat",
                        seq_len=meta.get("seq_len") or args.seq_len,
                        layers=meta.get("layers") or args.layers)
@@ -69,7 +75,7 @@ def main(argv=None):
                                batch, n, memory_bytes(kind), costs=costs)
   measured = {}  # a later file's row of a variant stands for it
   for r in rows:
-    if not run.split_variant(r["variant"])[1]:
+    if run.split_variant(r["variant"])[1] in ([], ["ep"]):
       measured[r["variant"]] = r
   print("| strategy | microbatches | estimated ms | measured ms (variant) | peak GiB estimated | measured |")
   print("| --- | --- | --- | --- | --- | --- |")

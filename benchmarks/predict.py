@@ -31,11 +31,11 @@ import run  # noqa: E402
 
 def baseline_costs(rows: list[dict], link_bytes_per_s: float):
   """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached, that
-  baseline's row): jit DP, else GSPMD FSDP where DP does not fit; (the default FLOP/s,
-  None) for a call without one."""
+  baseline's row): jit DP, else GSPMD FSDP where DP does not fit, else shard_map DP (the
+  MoE's); (the default FLOP/s, None) for a call without one."""
   import piper_jax as pj
   from hardware import peak_flops
-  base = next((r for name in ("jit-dp", "gspmd-fsdp") for r in rows
+  base = next((r for name in ("jit-dp", "gspmd-fsdp", "shmap-dp") for r in rows
                if r["variant"] == name and "error" not in r), None)
   if base is None or not base.get("mfu"):
     return pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s), base

@@ -252,12 +252,17 @@ def test_pick_names_run_variants_of_search_candidates():
   import types
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import pick
-  c = lambda schedule, dp, zero, mb: types.SimpleNamespace(schedule=schedule, dp=dp, zero=zero,
-                                                          n_microbatches=mb)
+  c = lambda schedule, dp, zero, mb, ep="": types.SimpleNamespace(
+      schedule=schedule, dp=dp, zero=zero, n_microbatches=mb,
+      name=f"{schedule} x dp{dp} zero{zero}" + (f" ep{dp}" if ep else ""))
   assert pick.variant_of(c("dp", 4, 1, 1)) == "zero1" and pick.variant_of(c("dp", 4, 0, 1)) == "dp"
   assert pick.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
   assert pick.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
   assert pick.variant_of(c("dualpipev", 1, 0, 8)) == "pp-dualpipev"
+  # Expert parallel: run.py's +ep rows, which have no ZeRO without a pipeline.
+  assert pick.variant_of(c("dp", 4, 0, 1, ep=True)) == "dp+ep"
+  assert pick.variant_of(c("dp", 4, 1, 1, ep=True)) is None
+  assert pick.variant_of(c("1f1b", 2, 0, 4, ep=True)) == "pp-1f1b+ep"
 
 
 def test_results_meta_keeps_the_shape_arguments_a_script_has(tmp_path):
