@@ -522,7 +522,8 @@ def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool,
     # ZeRO-1/2 with weights read in a narrower dtype keep the fp32 parameters sharded
     # and gather the narrow copy as the step starts (the distributed optimizer); below
     # ZeRO-3 a pipeline also casts its weights once a step and keeps the copies.
-    masters = options.shard_masters and zero in (1, 2) and n > 1 and cast > 0
+    masters = (options.shard_masters and options.cast_weights and zero in (1, 2) and n > 1
+               and cast > 0)
     copies = cast if masters or (pipelined and zero < 3) else 0
     params = int(p_bytes / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
     grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))

@@ -306,8 +306,11 @@ def test_distributed_optimizer_shards_the_masters_and_gathers_the_bf16_copy():
   m = pj.strategies.estimate(loss, tx, params, batch, directives, 4).memory
   plain = pj.strategies.estimate(loss, tx, params, batch, directives, 4,
                                  options=pj.LoweringOptions(shard_masters=False)).memory
+  uncast = pj.strategies.estimate(loss, tx, params, batch, directives, 4,
+                                  options=pj.LoweringOptions(cast_weights=False)).memory
   fp32 = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-  assert plain.params == pytest.approx(fp32, rel=1e-6) and plain.weight_copies == 0
+  for other in (plain, uncast):  # no bf16 copy to gather: the fp32 parameters stay whole
+    assert other.params == pytest.approx(fp32, rel=1e-6) and other.weight_copies == 0
   assert m.params == pytest.approx(fp32 / 4, rel=1e-6)
   assert fp32 / 2 * 0.9 < m.weight_copies <= fp32 / 2  # the leaves read in bf16
   # The step's state on a device is its shard of the fp32 parameters and of adam's moments.
