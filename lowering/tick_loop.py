@@ -69,6 +69,14 @@ jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "rows", "acc", 
                                  meta_fields=[])
 
 
+def _written(stores: list, values) -> list:
+  """`stores` with each (store, value, row) of `values` written into that row."""
+  stores = list(stores)
+  for st, x, row in values:
+    stores[st] = lax.dynamic_update_index_in_dim(stores[st], x, row, 0)
+  return stores
+
+
 class TickLoop:
   """Lowers `prog`'s plan as one `lax.fori_loop` over its ticks."""
 
@@ -139,10 +147,7 @@ class TickLoop:
         prog.add_task_grads(rank, grad_acc, acc, split_acc)
       if self.write_after:
         return self._slot_out(written, acc, split_acc, loss)
-      stores = list(stores)
-      for st, x, row in written:
-        stores[st] = lax.dynamic_update_index_in_dim(stores[st], x, row, 0)
-      return LoopCarry(stores, acc, split_acc, loss)
+      return LoopCarry(_written(stores, written), acc, split_acc, loss)
 
     return run
 
@@ -186,21 +191,18 @@ class TickLoop:
         out = lax.switch(code[i, rank, s], branches, ops)
         if not self.write_after:
           return out
-        stores = list(c.stores)
-        for p, (st, _) in enumerate(self.positions):
-          stores[st] = lax.dynamic_update_index_in_dim(stores[st], out.values[p], out.rows[p], 0)
+        stores = _written(c.stores, [(st, out.values[p], out.rows[p])
+                                     for p, (st, _) in enumerate(self.positions)])
         return LoopCarry(stores, out.acc, out.split_acc, out.loss)
 
       c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
-      stores = list(c.stores)
-      got = [lax.ppermute([lax.dynamic_index_in_dim(stores[st], send_rows[i, rank, j, n], 0,
+      got = [lax.ppermute([lax.dynamic_index_in_dim(c.stores[st], send_rows[i, rank, j, n], 0,
                                                     keepdims=False)
                            for n, st in enumerate(rnd.stores)], "pp", perm=list(rnd.perm))
              for j, rnd in enumerate(table.rounds)]
-      for j, rnd in enumerate(table.rounds):
-        for n, st in enumerate(rnd.stores):
-          stores[st] = lax.dynamic_update_index_in_dim(stores[st], got[j][n],
-                                                       recv_rows[i, rank, j, n], 0)
+      stores = _written(c.stores, [(st, got[j][n], recv_rows[i, rank, j, n])
+                                   for j, rnd in enumerate(table.rounds)
+                                   for n, st in enumerate(rnd.stores)])
       return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
     return lax.fori_loop(0, table.n_iterations, tick,
