@@ -92,6 +92,26 @@ def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> s
   return "\n".join(lines)
 
 
+def host_summary(trace_path: str, top: int = 25) -> str:
+  """The host's side of the profiled steps: events of the processes that are not GPUs
+  (XLA's thunks, stream waits, copies to the host), grouped by name with digits removed,
+  by total time. A GPU idle between ticks while the host waits here is a host-paced loop."""
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "/device:GPU:" in str(e.get("args", {}).get("name", ""))}
+  host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids and e.get("dur")]
+  by_name = collections.defaultdict(lambda: [0.0, 0])
+  for e in host:
+    key = re.sub(r"\d+", "#", e["name"])[:70]
+    by_name[key][0] += e["dur"]
+    by_name[key][1] += 1
+  lines = [f"host: {len(host)} events"]
+  for name, (dur, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+    lines.append(f"  {dur / 1e3:8.1f} ms x{count:<6d} {name}")
+  return "\n".join(lines)
+
+
 def tick_table(trace_path: str, gpus: list[int]) -> str:
   """Per GPU, the stretches between consecutive NCCL kernels (a pipeline's ticks end in
   one): compute-busy, idle and NCCL time of each, to see which rank waits in which tick."""
@@ -137,6 +157,8 @@ def main():
   ap.add_argument("--gpus", default="0", help="comma list of GPUs to summarize (a pipeline's ranks)")
   ap.add_argument("--ticks", action="store_true",
                   help="also list each GPU's stretches between NCCL kernels (a pipeline's ticks)")
+  ap.add_argument("--host", action="store_true",
+                  help="also list the host's events (XLA thunks, waits) by total time")
   ap.add_argument("--keep", action="store_true", help="copy the Perfetto trace to OUT/trace.json.gz")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
@@ -172,6 +194,8 @@ def main():
     print(summarize(newest, named=args.named, gpu=int(gpu)), flush=True)
   if args.ticks:
     print(tick_table(newest, [int(g) for g in args.gpus.split(",")]), flush=True)
+  if args.host:
+    print(host_summary(newest), flush=True)
   if args.keep:
     import shutil
     shutil.copy(newest, os.path.join(args.out, "trace.json.gz"))

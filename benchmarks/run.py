@@ -100,7 +100,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
              "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
-             "spread",
+             "spread", "writeafter",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla", "ac")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -605,11 +605,16 @@ def _child(args, variant, model):
 
 def _largest_batch(args, variant: str, model: str) -> dict:
   """The row of the largest global batch `variant` runs: --batch doubled, one process per
-  try, until a try runs out of memory (or fails otherwise) or passes --max-batch. The row
-  records it as "max_batch" and the first batch that did not fit as "failed_batch"."""
+  try, until a try runs out of memory (or fails otherwise) or passes --max-batch. The
+  microbatches double with the batch, so a pipeline's microbatch keeps its size (more of
+  them is how a pipeline trains a larger batch). The row records the batch as "max_batch"
+  and the first batch that did not fit as "failed_batch"."""
   best, batch = None, args.batch
   while batch <= args.max_batch:
-    row = _child(argparse.Namespace(**{**vars(args), "batch": batch}), variant, model)
+    microbatches = args.microbatches * batch // args.batch
+    row = _child(argparse.Namespace(**{**vars(args), "batch": batch, "microbatches": microbatches}),
+                 variant, model)
+    row["microbatches"] = microbatches
     if "error" in row:
       failed = {"failed_batch": batch, "failed_error": row["error"]}
       return ({**best, **failed} if best else {**row, "max_batch": None, **failed})
@@ -623,7 +628,8 @@ def add_predictions(rows) -> None:
   ok = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     _, dp = baseline_row(ok, r["variant"], r["model"])
-    if "sim_makespan" in r and dp:
+    # The calibration holds for the baseline's batch only (not another --max-batch try's).
+    if "sim_makespan" in r and dp and r.get("max_batch") == dp.get("max_batch"):
       r["sim_ms"] = dp["step_ms"] * r["sim_makespan"] / r["sim_work_per_rank"]
       r["sim_tick_ms"] = dp["step_ms"] * r["sim_tick_makespan"] / r["sim_work_per_rank"]
 

@@ -72,6 +72,16 @@ def test_profile_summary(tmp_path):
   assert "gemm_#" in text and "other_gpu" not in text
   assert "100.0 ms" not in text and "0.1 ms x1      gemm_12" in summarize(str(path), named=3)
   assert "GPU:1 1 kernels over 1.0 ms" in summarize(str(path), gpu=1)
+  # host_summary groups the events of the processes that are not GPUs.
+  from profile_step import host_summary
+  host = [{"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}},
+          {"ph": "X", "pid": 9, "tid": 1, "ts": 0, "dur": 300, "name": "cuGraphLaunch (CudaGraph:12)"},
+          {"ph": "X", "pid": 9, "tid": 1, "ts": 400, "dur": 100, "name": "cuGraphLaunch (CudaGraph:7)"}]
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": meta + kernels + host}, f)
+  text = host_summary(str(path))
+  assert "host: 2 events" in text and "0.4 ms x2      cuGraphLaunch (CudaGraph:#)" in text, text
+  assert "gemm" not in text
   # tick_table cuts a GPU's timeline at its NCCL kernels (a pipeline's ticks end in one).
   from profile_step import tick_table
   ticks = kernels[:2] + [{"ph": "X", "pid": 7, "tid": 1, "ts": 300, "dur": 50,
@@ -196,21 +206,24 @@ def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
   import argparse
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import run
-  tried = []
+  tried, microbatches = [], []
 
   def child(args, variant, model):
     tried.append(args.batch)
+    microbatches.append(args.microbatches)
     if args.batch > 32:
       return {"variant": variant, "model": model, "error": "out of memory"}
     return {"variant": variant, "model": model, "step_ms": 1.0}
 
   monkeypatch.setattr(run, "_child", child)
-  args = argparse.Namespace(batch=8, max_batch=256)
+  args = argparse.Namespace(batch=8, microbatches=4, max_batch=256)
   row = run._largest_batch(args, "zero3", "tiny")
   assert tried == [8, 16, 32, 64] and row["max_batch"] == 32 and row["failed_batch"] == 64
+  # A microbatch keeps its two sequences: a pipeline trains a larger batch in more of them.
+  assert microbatches == [4, 8, 16, 32] and row["microbatches"] == 16
   assert "error" not in row
   tried.clear()
-  row = run._largest_batch(argparse.Namespace(batch=8, max_batch=16), "zero3", "tiny")
+  row = run._largest_batch(argparse.Namespace(batch=8, microbatches=4, max_batch=16), "zero3", "tiny")
   assert tried == [8, 16] and row["max_batch"] == 16 and "failed_batch" not in row
 
 
