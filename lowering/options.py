@@ -59,7 +59,8 @@ class LoweringOptions:
     write_stores_after_switch: the loop's branches return the values they made and the
       rows they go to, written into the stores after the slot's switch, instead of
       returning the stores written in place. None: on CPU only, where XLA gives a switch
-      that returns the stores buffers of its own and copies every store in every slot.
+      that returns the stores buffers of its own and copies every store in every slot;
+      a GPU writes them in place, and the extra writes after the switch only cost time.
     zero3_reshard: ZeRO-3 gathers a region's weights again for its backward (PyTorch
       FSDP's reshard_after_forward): a device holds the weights of the ticks in flight.
       False lets XLA keep each region's weights from its forward gather to its backward:

@@ -1,0 +1,146 @@
+"""The planner's estimates beside the measurements of run.py's raw JSON.
+
+  python benchmarks/predict.py benchmarks/raw/2026-11-27_h200x2_1.3b_dp_zero.json
+
+For each piper-jax row of a file (dense models; sharded experts are not estimated),
+`pj.strategies.estimate` of the same directives on the row's devices, from shapes:
+peak memory per device against the measured `peak_gib`, and the step time against the
+measured one, with matmuls at the FLOP/s the same call's `jit-dp` row (else its
+`gspmd-fsdp` row) achieved and links at `--link-gbps`. Rows that ran cuDNN's fused
+attention are traced with XLA's attention recomputed in the backward, which keeps what
+the fused kernel keeps (q, k, v), not the T x T probabilities.
+
+With `--calibrate CACHE`, run on a GPU, step times are also simulated from each region's
+F and B timed there (`pj.calibrate` at the row's microbatch rows, with the row's
+attention and the batch's own token ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import run  # noqa: E402
+
+
+def baseline_costs(rows: list[dict], link_bytes_per_s: float):
+  """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached, that
+  baseline's row): jit DP, else GSPMD FSDP where DP does not fit, else shard_map DP (the
+  MoE's); (the default FLOP/s, None) for a call without one."""
+  import piper_jax as pj
+  from hardware import peak_flops
+  base = next((r for name in ("jit-dp", "gspmd-fsdp", "shmap-dp") for r in rows
+               if r["variant"] == name and "error" not in r), None)
+  if base is None or not base.get("mfu"):
+    return pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s), base
+  return pj.strategies.CostModel(flops_per_s=base["mfu"] * peak_flops(base["device_kind"]),
+                                 link_bytes_per_s=link_bytes_per_s), base
+
+
+def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0,
+            calibrate: str | None = None) -> list[dict]:
+  """Rows of estimates for a raw file; `seq_len` and `layers` stand in for a file whose
+  meta does not say them (run.py's before it recorded them). With `calibrate` (a cache
+  file), step times also come from each region's F and B timed on this machine's first
+  device at the row's microbatch rows (`pj.calibrate`, with the row's attention)."""
+  import jax
+  import optax
+
+  import piper_jax as pj
+  data = json.load(open(path))
+  meta, rows = data["meta"], data["rows"]
+  ok = [r for r in rows if "error" not in r]
+  costs, base = baseline_costs(ok, link_bytes_per_s)
+  out = []
+  for r in ok:
+    variant = r["variant"]
+    if variant.split("+")[0].split("@")[0] in run.BASELINES or "ep" in variant:
+      continue
+    n, model = r["devices"], r["model"]
+    pp = r.get("pp", meta.get("pp", 2))
+    # cuDNN's fused attention keeps no T x T scores; traced on a CPU, XLA's attention
+    # recomputed in the backward keeps the same values.
+    attention = "xla+remat" if r.get("attention", "cudnn") == "cudnn" else r["attention"]
+    config, net, directives = run.build(variant, model, n, meta["microbatches"], pp,
+                                        attention=attention,
+                                        seq_len=meta.get("seq_len") or seq_len,
+                                        layers=meta.get("layers") or layers)
+    family = run.step_family(model)
+    key = jax.random.PRNGKey(0)
+    params = jax.eval_shape(lambda: family.init_params(net, key))
+    batch = jax.eval_shape(lambda: family.random_batch(config, key, meta["batch"]))
+    mods = run.split_variant(variant)[1]
+    remat = True if "remat" in mods else False if "noremat" in mods else None
+    est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
+                                 batch, directives, n, costs=costs, remat=remat,
+                                 options=run.lowering_options(mods))
+    m = est.memory
+    timed_ms = None
+    if calibrate:
+      # Time what the row ran: its attention, its microbatch rows, remat as compiled.
+      _, timed_net, _ = run.build(variant, model, n, meta["microbatches"], pp,
+                                  attention=r.get("attention"),
+                                  seq_len=meta.get("seq_len") or seq_len,
+                                  layers=meta.get("layers") or layers)
+      use_remat = est.plan.mesh.n_pp > 1 if remat is None else remat
+      # Real token ids: an embedding's gradient scatters by them.
+      values = family.random_batch(config, key, meta["batch"])
+      times, _ = run.timed_regions(family.loss_fn(timed_net), params, values, est.plan,
+                                   use_remat, calibrate)
+      timed = pj.strategies.estimate(
+          family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params, batch, directives,
+          n, costs=dataclasses.replace(costs, region_times=times), remat=remat,
+          options=run.lowering_options(mods))
+      timed_ms = timed.step_time * 1e3
+    out.append({"file": os.path.basename(path), "model": model, "variant": variant,
+                "measured_gib": r.get("peak_gib"), "predicted_gib": m.total / 2**30,
+                "params_gib": m.params / 2**30, "grads_gib": m.grads / 2**30,
+                "optimizer_gib": m.optimizer / 2**30, "activations_gib": m.activations / 2**30,
+                "copies_gib": m.weight_copies / 2**30, "working_gib": m.working / 2**30,
+                "grads_with_activations": m.grads_with_activations,
+                "measured_ms": r["step_ms"],
+                "predicted_ms": est.step_time * 1e3 if base is not None else None,
+                "calibrated_ms": timed_ms})
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("files", nargs="+", help="raw JSON files of run.py")
+  ap.add_argument("--link-gbps", type=float, default=300.0,
+                  help="bytes per second one GPU sends, in GB/s (NVLink hosts: ~300)")
+  ap.add_argument("--seq-len", type=int, default=0,
+                  help="the sequence length of files whose meta lacks it")
+  ap.add_argument("--layers", type=int, default=0,
+                  help="the Qwen3 blocks of files whose meta lacks them")
+  ap.add_argument("--calibrate", default=None, metavar="CACHE",
+                  help="also predict step times from regions timed on this machine's first "
+                       "device (pj.calibrate; CACHE keeps the timings)")
+  args = ap.parse_args(argv)
+  if not args.calibrate:
+    run._setup_cpu(True)
+  print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
+        "activations, weight copies, working; grads beside activations or the larger) | "
+        "step ms measured | predicted | from timed regions |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
+  for path in args.files:
+    for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers, args.calibrate):
+      parts = ", ".join(f"{p[k]:.2f}" for k in ("params_gib", "grads_gib", "optimizer_gib",
+                                                "activations_gib", "copies_gib", "working_gib"))
+      parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
+      pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
+      measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"
+      print(f"| {p['model']} | {p['variant']} | {measured} | {p['predicted_gib']:.2f} ({parts}) "
+            f"| {p['measured_ms']:.1f} | {pred_ms} | "
+            f"{'-' if p['calibrated_ms'] is None else format(p['calibrated_ms'], '.1f')} |",
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,427 @@
+"""Trains an example model (GPT, Qwen3 or Qwen3-MoE) under a piper-jax strategy.
+
+Without a GPU it runs on 8 simulated CPU devices:
+
+  python examples/train.py --strategy pp-1f1b --stages 2 --dp 4 --zero 1 \
+      --microbatches 4 --steps 6
+  python examples/train.py --model qwen3-tiny --strategy pp-dualpipev --stages 4 --dp 2
+
+`--model` takes any preset of examples/gpt.py (tiny, 268m, 1.3b, ...) or
+examples/qwen3.py (qwen3-tiny, qwen3-1.7b, qwen3-8b, qwen3-moe-tiny,
+qwen3-30b-a3b-4gpu); a Qwen3-MoE preset's experts are split over each stage's
+data-parallel devices with `--ep`.
+
+Strategies: dp, zero1, zero2, zero3 (data parallel over all devices, ZeRO level
+K) and pp-gpipe, pp-1f1b, pp-zb, pp-interleaved, pp-dualpipev (`--stages` pipeline
+stages, two per device for interleaved and DualPipeV, `--microbatches`, times `--dp`
+data-parallel replicas with ZeRO level `--zero`). `--check` first compares two
+steps of the strategy with the plain computation (`piper_jax.check`) and stops,
+exit status 1, when they differ. `--strategy auto` lets `pj.strategies.search` choose
+among them for the model's `--stages` regions and `--memory-gib` per device, prints
+its table and trains with the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+import piper_jax as pj
+
+try:
+  from examples import gpt, moe, qwen3
+except ImportError:
+  import gpt  # run as a script: examples/ is on sys.path
+  import moe
+  import qwen3
+
+CPU_DEVICES = 8  # simulated devices when JAX finds no accelerator
+
+
+def use_simulated_cpu_devices(n: int = CPU_DEVICES) -> None:
+  """Asks for `n` CPU devices when JAX runs on the CPU; must run before the first device
+  is used (afterwards, e.g. under a test, the backend's devices stay)."""
+  if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu"):
+    return
+  if "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return  # the user chose a count
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except AttributeError:  # a JAX without the option reads the flag when its backend starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={n}").strip()
+  except RuntimeError:
+    pass  # the backend already runs
+
+
+STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
+              "pp-dualpipev", "auto")
+
+
+def _preset(name: str) -> dict:
+  return {**gpt.PRESETS, **qwen3.PRESETS}[name]
+
+
+class UsageError(ValueError):
+  """Flags that do not fit together or do not fit the devices."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--strategy", choices=STRATEGIES, default="pp-1f1b")
+  p.add_argument("--stages", type=int, default=2,
+                 help="pipeline stages (pp-* strategies; auto: the model's PP regions)")
+  p.add_argument("--memory-gib", type=float, default=None,
+                 help="auto: memory per device the strategy must fit (default: the "
+                      "device's, or 16 GiB on CPU)")
+  p.add_argument("--timelines", metavar="DIR", default=None,
+                 help="auto: draw the plans of the three fastest candidates into DIR")
+  p.add_argument("--calibrate", metavar="CACHE.json", default=None,
+                 help="auto: time each region on the first device (kept in this file for "
+                      "the next run) and rank by those times instead of FLOP counts")
+  p.add_argument("--microbatches", type=int, default=4,
+                 help="microbatches per step (pp-* strategies)")
+  p.add_argument("--dp", type=int, default=1,
+                 help="data-parallel degree (pp-* strategies)")
+  p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                 help="ZeRO level (pp-* strategies)")
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--batch", type=int, default=16, help="global batch size")
+  p.add_argument("--model", choices=tuple(gpt.PRESETS) + tuple(qwen3.PRESETS), default="tiny")
+  p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
+  p.add_argument("--experts", type=int, default=0,
+                 help="GPT presets: 0: dense; N: MoE GPT with N experts, top-2, in every "
+                      "block (examples/moe.py)")
+  p.add_argument("--ep", action="store_true",
+                 help="split the experts over each stage's data-parallel devices (pj.shard)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="compute dtype (parameters stay float32)")
+  p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
+                 help="dtype of the data-parallel gradient reductions (default: the parameters')")
+  p.add_argument("--bucket-mb", type=float, default=25.0,
+                 help="dp: all-reduce gradients in buckets of this many MB (replicate's "
+                      "bucket_mb; 0: one all-reduce per parameter slot at the step's end)")
+  p.add_argument("--no-roll", dest="roll", action="store_false",
+                 help="unroll every tick instead of compiling the schedule's steady state as "
+                      "one loop (pj.compile(roll=False))")
+  p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
+                 help="store less per microbatch: B recomputes elementwise residuals from "
+                      "a value stored in their place (pj.compile(remat=...); default: "
+                      "pipelines only)")
+  p.add_argument("--lr", type=float, default=1e-3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--data", default="stdlib",
+                 help="a text file or folder to train a byte-level model on; 'stdlib' "
+                      "(default) is the Python standard library's source; 'synthetic' a "
+                      "learnable random walk")
+  p.add_argument("--metrics", default=None, help="append per-step metrics to this JSONL file")
+  p.add_argument("--ckpt-dir", default=None, help="checkpoint folder (orbax)")
+  p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: at the end)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the newest checkpoint in --ckpt-dir (any strategy)")
+  p.add_argument("--check", action="store_true",
+                 help="before training, compare two steps of the strategy on the first batch "
+                      "with the plain computation (piper_jax.check) and stop if they differ")
+  p.add_argument("--log-every", type=int, default=10,
+                 help="read the loss and log every N steps (reading it waits for the devices)")
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  return p.parse_args(argv)
+
+
+def build_strategy(args, n_devices: int):
+  """Returns (directives, number of devices used, number of model stages); for
+  `--strategy auto`, no directives yet (`search_strategy` chooses them)."""
+  if args.calibrate and args.strategy != "auto":
+    raise UsageError("--calibrate times regions for --strategy auto's ranking; add "
+                     "--strategy auto or drop --calibrate")
+  if args.strategy == "auto":
+    if args.dp != 1 or args.zero != 0:
+      raise UsageError("--strategy auto chooses data parallelism and ZeRO itself; drop --dp "
+                       "and --zero (--ep keeps only candidates with the experts split)")
+    if args.stages < 1:
+      raise UsageError(f"--stages {args.stages} must be positive")
+    return None, n_devices, args.stages
+  directives, n_used, n_stages = _base_strategy(args, n_devices)
+  if args.ep:
+    n_experts = args.experts or _preset(args.model).get("n_experts", 0)
+    if not n_experts:
+      raise UsageError("--ep splits the experts of a MoE model; add --experts N or take a "
+                       "qwen3-moe preset")
+    if n_experts % (args.dp if args.strategy.startswith("pp-") else n_used):
+      raise UsageError(f"{n_experts} experts must divide over the data-parallel devices "
+                       f"of a stage for --ep")
+    directives = directives + [pj.shard({"EP": "*"}, list(range(n_used)))]
+  return directives, n_used, n_stages
+
+
+def _base_strategy(args, n_devices: int):
+  if not args.strategy.startswith("pp-"):
+    if args.dp != 1 or args.zero != 0:
+      raise UsageError(
+          f"--dp and --zero apply to pp-* strategies; --strategy "
+          f"{args.strategy} is data parallel over all {n_devices} devices")
+    zero = 0 if args.strategy == "dp" else int(args.strategy[-1])
+    if args.batch % n_devices:
+      raise UsageError(
+          f"--batch {args.batch} must be divisible by the {n_devices} devices "
+          f"of data parallelism")
+    return (pj.strategies.data_parallel(n_devices, zero=zero, reduce_dtype=args.reduce_dtype,
+                                        bucket_mb=args.bucket_mb or None), n_devices, 1)
+
+  schedule = args.strategy[len("pp-"):]
+  # Interleaved and DualPipeV hold two stages per pipeline rank.
+  per_rank = 2 if schedule in ("interleaved", "dualpipev") else 1
+  if args.stages < 1 or args.dp < 1 or args.stages % per_rank:
+    raise UsageError(f"--stages {args.stages} and --dp {args.dp} must be positive, and "
+                     f"--strategy {args.strategy} needs an even --stages (two per device)"
+                     if per_rank == 2 else
+                     f"--stages {args.stages} and --dp {args.dp} must be positive")
+  n_used = args.stages // per_rank * args.dp
+  if n_used > n_devices:
+    raise UsageError(
+        f"--stages {args.stages} x --dp {args.dp} needs {n_used} devices but "
+        f"only {n_devices} are available; lower --stages or --dp")
+  if args.batch % (args.dp * args.microbatches):
+    raise UsageError(
+        f"--batch {args.batch} must be divisible by --dp {args.dp} x "
+        f"--microbatches {args.microbatches}")
+  try:
+    directives = pj.strategies.pipeline(
+        args.stages, args.microbatches, schedule=schedule, dp=args.dp,
+        zero=args.zero, reduce_dtype=args.reduce_dtype)
+  except ValueError as e:  # e.g. microbatches the schedule cannot use
+    raise UsageError(f"--strategy {args.strategy}: {e}") from e
+  return directives, n_used, args.stages
+
+
+def device_memory_bytes(device, cpu_default_gib: float = 16.0) -> float:
+  """The memory of one device (`memory_stats()["bytes_limit"]`), or `cpu_default_gib`
+  on CPU and wherever the backend does not say."""
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  limit = (stats or {}).get("bytes_limit")
+  return float(limit) if limit else cpu_default_gib * 2 ** 30
+
+
+def search_strategy(args, loss_fn, optimizer, params, batch, devices):
+  """`--strategy auto`: searches, prints the table; returns the compiled step of the
+  fastest candidate that fits the devices' memory."""
+  memory = (args.memory_gib * 2 ** 30 if args.memory_gib is not None
+            else device_memory_bytes(devices[0]))
+  costs = None
+  if args.calibrate:  # measured region times on this device instead of FLOP counts
+    rows = max(1, args.batch // len(devices))
+    times = pj.calibrate(loss_fn, params, batch, rows, device=devices[0],
+                         remat=bool(args.remat), cache=args.calibrate)
+    costs = pj.strategies.CostModel(region_times=times)
+  try:
+    result = pj.strategies.search(loss_fn, optimizer, params, batch, len(devices), memory,
+                                  remat=args.remat, reduce_dtype=args.reduce_dtype,
+                                  bucket_mb=args.bucket_mb or None, costs=costs,
+                                  expert_parallel=True if args.ep else None)
+  except ValueError as e:
+    raise UsageError(f"--strategy auto: {e}") from e
+  print(f"strategy search over {len(devices)} device(s), {memory / 2 ** 30:.3g} GiB each: "
+        f"{len(result.candidates)} fit, {len(result.rejected)} rejected")
+  print(result.table())
+  if args.timelines:
+    print("timelines of the fastest:", ", ".join(result.timelines(args.timelines)))
+  try:  # the first of the fastest whose compiled program fits, by XLA's count
+    best, step = result.compile_best(loss_fn, optimizer, params, batch, devices,
+                                     roll=args.roll, remat=args.remat)
+  except ValueError as e:
+    raise UsageError(f"--strategy auto: {e}") from e
+  print(f"chosen: {best.name}, {best.n_microbatches} microbatch(es); compiled, it needs "
+        f"{step.memory().total / 2 ** 30:.3g} GiB per device")
+  return step
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss stopped being finite; the last good checkpoint is kept."""
+
+
+class CheckFailed(RuntimeError):
+  """`--check` found the strategy's numbers differ from the plain computation's."""
+
+
+def load_corpus(spec: str, max_bytes: int = 8 << 20) -> np.ndarray:
+  """Bytes of a text file, of every .py/.txt/.md file under a folder, or of the stdlib."""
+  if spec == "stdlib":
+    spec = os.path.dirname(os.__file__)
+  if os.path.isfile(spec):
+    with open(spec, "rb") as f:
+      data = f.read(max_bytes)
+  elif os.path.isdir(spec):
+    chunks, total = [], 0
+    for root, dirs, files in os.walk(spec):
+      dirs.sort()
+      for name in sorted(files):
+        if name.endswith((".py", ".txt", ".md", ".rst")) and total < max_bytes:
+          with open(os.path.join(root, name), "rb") as f:
+            chunks.append(f.read(max_bytes - total))
+          total += len(chunks[-1])
+    data = b"".join(chunks)
+  else:
+    raise UsageError(f"--data {spec!r} is neither a file nor a folder")
+  if len(data) < 4096:
+    raise UsageError(f"--data {spec!r} holds only {len(data)} bytes; give more text")
+  return np.frombuffer(data, np.uint8)
+
+
+def text_batch(corpus: np.ndarray, seq_len: int, batch: int, seed: int, step: int) -> dict:
+  """Random windows of the corpus, the same for the same (seed, step) on every run."""
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(corpus) - seq_len - 1, size=batch)
+  windows = np.stack([corpus[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+  return {"tokens": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def main(argv=None) -> dict:
+  """Runs the training job; returns {"losses", "tokens_per_s", "step", "state"}."""
+  args = parse_args(argv)
+  use_simulated_cpu_devices()
+  devices = jax.devices()
+  directives, n_used, n_stages = build_strategy(args, len(devices))
+  devices = devices[:n_used]
+  if args.log_every < 1:
+    raise UsageError(f"--log-every must be >= 1, got {args.log_every}")
+  if (args.resume or args.ckpt_every) and not args.ckpt_dir:
+    raise UsageError("--resume and --ckpt-every need --ckpt-dir")
+
+  dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+  overrides = {} if args.data == "synthetic" else {"vocab_size": 256}
+  if args.seq_len:
+    overrides["seq_len"] = args.seq_len
+  family = qwen3 if args.model in qwen3.PRESETS else gpt
+  if family is qwen3 and args.experts:
+    raise UsageError("--experts makes a MoE GPT; the qwen3-moe presets are MoE already")
+  try:
+    if args.experts:
+      config = moe.MoEConfig(**{**gpt.PRESETS[args.model], **overrides}, n_stages=n_stages,
+                             dtype=dtype, n_experts=args.experts)
+    else:
+      config = family.get_config(args.model, n_stages=n_stages, dtype=dtype, **overrides)
+  except ValueError as e:
+    raise UsageError(f"--stages {n_stages}: {e}") from e
+  if family is qwen3:
+    model = qwen3.make_model(config)
+  else:
+    model = moe.MoEGPT(config) if args.experts else gpt.GPT(config)
+  rng = jax.random.PRNGKey(args.seed)
+  params = family.init_params(model, rng)
+  if args.data == "synthetic":
+    data_rng = jax.random.fold_in(rng, 1)
+    get_batch = lambda i: jax.device_get(family.random_batch(
+        config, jax.random.fold_in(data_rng, i), args.batch))
+  else:
+    corpus = load_corpus(args.data)
+    get_batch = lambda i: text_batch(corpus, config.seq_len, args.batch, args.seed, i)
+  optimizer = optax.chain(
+      optax.clip_by_global_norm(1.0), optax.adamw(args.lr))
+
+  print(f"devices: {len(devices)} x {devices[0].device_kind} "
+        f"({devices[0].platform})")
+  n_experts = args.experts or getattr(config, "n_experts", 0)
+  kind = f" MoE ({n_experts} experts, top-{getattr(config, 'top_k', 2)})" if n_experts else ""
+  print(f"model: {args.model}{kind}, {gpt.count_params(params) / 1e6:.2f}M params, "
+        f"{config.n_layers} layers in {config.n_stages} stage(s), {args.dtype}")
+  print(f"strategy: {args.strategy}; data: {args.data}")
+
+  loss_fn = family.loss_fn(model)
+  if directives is None:
+    step = search_strategy(args, loss_fn, optimizer, params, get_batch(0), devices)
+  else:
+    step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
+                      devices=devices, roll=args.roll, remat=args.remat)
+  print(step.describe())  # the plan, options, and the collectives the step runs
+  if step.rolled:
+    w = step.rolled
+    print(f"ticks {w.start}-{w.stop - 1} run as {w.iters} iterations of {w.length} ticks")
+  if args.check:
+    report = step.check(params, get_batch(0), steps=2)
+    print(report)
+    if not report.passed:
+      raise CheckFailed(f"--check: the strategy differs from the plain computation "
+                        f"({len(report.failures)} failed comparison(s), listed above)")
+  first = 0
+  if args.resume and pj.checkpoint.latest_step(args.ckpt_dir) is not None:
+    state = pj.checkpoint.restore(args.ckpt_dir, step)
+    first = pj.checkpoint.latest_step(args.ckpt_dir)
+    print(f"resumed from step {first} in {args.ckpt_dir}")
+  else:
+    state = step.init(params)
+
+  tokens_per_step = args.batch * config.seq_len
+  flops_per_step = tokens_per_step * (
+      moe.flops_per_token if args.experts else family.flops_per_token)(config)
+  metrics = open(args.metrics, "a") if args.metrics else None
+  bar = None if args.quiet else tqdm(total=args.steps, initial=first, unit="step",
+                                     dynamic_ncols=True)
+  losses, windows, saved = [], [], first
+  pending, since = [], time.perf_counter()  # steps called whose losses are not read yet
+  try:
+    for i in range(first, args.steps):
+      state, loss = step(state, get_batch(i))  # returns before the devices finish
+      pending.append(loss)
+      done = i + 1
+      save = args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
+                                or done == args.steps)
+      if not (save or done % args.log_every == 0 or done == args.steps):
+        continue
+      # Reading the losses waits for the devices: once every --log-every steps.
+      values = [float(x) for x in pending]
+      now = time.perf_counter()
+      seconds = (now - since) / len(values)
+      for k, value in enumerate(values):
+        if not np.isfinite(value):
+          where = f"step {saved} in {args.ckpt_dir}" if args.ckpt_dir and saved else "none"
+          raise TrainingDiverged(f"loss is {value} at step {done - len(values) + k + 1}; "
+                                 f"stopped. Last good checkpoint: {where}")
+      losses += values
+      if done - len(values) > first:  # the first window holds the compilation
+        windows.append((len(values), now - since))
+      tps = tokens_per_step / seconds
+      tflops = flops_per_step / seconds / len(step.devices) / 1e12
+      if bar is not None:
+        bar.update(len(values))
+        bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{tps:,.0f}",
+                        tflops_per_device=f"{tflops:.1f}")
+      else:
+        print(f"step {done:5d}  loss {values[-1]:.4f}  {tps:,.0f} tok/s  "
+              f"{tflops:.1f} TFLOP/s per device")
+      if metrics:
+        for k, value in enumerate(values):
+          metrics.write(json.dumps({"step": done - len(values) + k + 1, "loss": value,
+                                    "tokens_per_s": tps, "tflops_per_device": tflops,
+                                    "seconds": seconds}) + "\n")
+        metrics.flush()
+      pending, since = [], now
+      if save:
+        pj.checkpoint.save(args.ckpt_dir, state, step=done)
+        saved = done
+  finally:
+    if bar is not None:
+      bar.close()
+    if metrics:
+      metrics.close()
+
+  steps_timed = sum(n for n, _ in windows)
+  tokens_per_s = tokens_per_step * steps_timed / sum(t for _, t in windows) if windows else None
+  if tokens_per_s is not None:
+    print(f"mean throughput (after the first {args.log_every} steps): {tokens_per_s:,.0f} tok/s")
+  return {"losses": losses, "tokens_per_s": tokens_per_s, "step": step,
+          "state": state}
+
+if __name__ == "__main__":
+  try:
+    main()
+  except (UsageError, TrainingDiverged, CheckFailed) as e:
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")

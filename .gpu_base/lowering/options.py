@@ -1,0 +1,98 @@
+"""`LoweringOptions`: every switch that changes the program `pj.compile` builds."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+__all__ = ["LoweringOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringOptions:
+  """How a plan is lowered; none of these changes the numbers a step computes.
+
+  Attributes:
+    tick_loop: lower the plan as one loop over all its ticks, the plan as data
+      (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
+      schedule or the number of microbatches; `roll` and gradient buckets do not apply.
+      None (the default) chooses the loop for pipelines whose tasks run no collective
+      (no expert or tensor parallelism, no ZeRO-2/3 over data-parallel replicas) and
+      whose gradients are not reduced in buckets (`replicate`'s bucket_mb under
+      ZeRO-0), and the per-tick program otherwise: a task's collectives sit inside the
+      loop's switch, which a GPU then runs from the host, several times slower than per
+      tick, and the loop reduces gradients once, after its last tick. `roll=False` or
+      `max_carry_depth` > 1, which only the per-tick program reads, choose it too.
+    roll: run the schedule's steady state (ticks that repeat with later microbatches)
+      as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
+      longer compile, for a slightly lower peak).
+    max_carry_depth: how many iterations back the rolled loop may read a value; deeper
+      carries let more schedules roll (DualPipeV and interleaved on 2 ranks with 8
+      microbatches at 4), at the cost of copying carried values each iteration.
+    remat: B recomputes a residual made by elementwise equations from one value F
+      stores in its place when that is no larger; None does so in pipelines only.
+    cast_weights: weights the model reads only in a narrower dtype are cast once per
+      step (in slots of their own), not by every task that reads them.
+    cast_in_pipelines: the same in pipelines below ZeRO-3 (False: each task casts its own).
+    unpack_in_pipelines: a pipeline below ZeRO-3 slices its cast weights into arrays of
+      their own once per step, which every tick passes through, instead of each task
+      slicing its weights from the packed segments.
+    shard_masters: ZeRO-1/2 with weights read in a narrower dtype keep the fp32
+      parameters sharded like the optimizer state and gather them in that dtype as the
+      step starts (the distributed optimizer).
+    spread_uneven_slots: below ZeRO-3, a slot whose pipeline ranks' parts differ so
+      much that stacking them would pad it by more than a quarter (a large embedding
+      on the first stage) is stored spread evenly over all devices, parameters and
+      optimizer state, and laid out per rank only inside the step: each device holds
+      an even share of the state instead of the largest rank's, at the cost of
+      moving that slot's parameters and gradients once per step; worth it where the
+      optimizer state of a lopsided stage is what does not fit.
+    slot_bytes: a region's leaves of one dtype fill slots of at most this many bytes,
+      each its own buffer, so that one slot's update can run while another's gradients
+      are still being reduced.
+    column_sum_rows: a bias gradient summed over at most this many rows gets its own
+      kernel (behind an optimization barrier) instead of fusing into another reader.
+    wide_weight_grads: over several microbatches, a bf16 matmul's weight gradient is a
+      GEMM writing fp32, with no bf16 rounding or convert before the sum.
+    slim_carry: ZB's BI hands BW the smaller values BW's cheap equations make the
+      values it reads from, and BW redoes those equations.
+    write_stores_after_switch: the loop's branches return the values they made and the
+      rows they go to, written into the stores after the slot's switch, instead of
+      returning the stores written in place. None: on CPU only, where XLA gives a switch
+      that returns the stores buffers of its own and copies every store in every slot.
+    zero3_reshard: ZeRO-3 gathers a region's weights again for its backward (PyTorch
+      FSDP's reshard_after_forward): a device holds the weights of the ticks in flight.
+      False lets XLA keep each region's weights from its forward gather to its backward:
+      half the gathers, every weight held whole for the whole step.
+    compiler_options: XLA options for the step's `jax.jit`; None takes piper-jax's (on
+      GPUs a pipeline's conditionals and rolled loop run as CUDA graphs), `{}` XLA's.
+  """
+
+  tick_loop: bool | None = None
+  roll: bool = True
+  max_carry_depth: int = 1
+  remat: bool | None = None
+  cast_weights: bool = True
+  cast_in_pipelines: bool = True
+  unpack_in_pipelines: bool = True
+  shard_masters: bool = True
+  spread_uneven_slots: bool = False
+  slot_bytes: int = 64 << 20
+  column_sum_rows: int = 4096
+  wide_weight_grads: bool = True
+  slim_carry: bool = True
+  write_stores_after_switch: bool | None = None
+  zero3_reshard: bool = True
+  compiler_options: Mapping[str, object] | None = None
+
+  def __post_init__(self):
+    if self.max_carry_depth < 1:
+      raise ValueError(f"max_carry_depth must be >= 1, got {self.max_carry_depth}")
+    if self.slot_bytes < 1:
+      raise ValueError(f"slot_bytes must be >= 1, got {self.slot_bytes}")
+
+  def changed(self) -> dict:
+    """The options that differ from the defaults, for printing with a plan."""
+    default = LoweringOptions()
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)}

@@ -1,0 +1,905 @@
+"""Lowers a ticked plan to one shard_map body over the ("dp", ["ep",] ["tp",] "pp") mesh.
+
+Each tick, every pipeline rank runs its own tasks through one `lax.switch` on
+`axis_index("pp")`. Values that outlive a tick leave the switch as a list of arrays
+whose positions ranks share by shape (`layout.match_positions`): a "keep" list for the
+rank itself and one list per `ppermute` round for the values other ranks read.
+Gradients accumulate per leaf, unreduced over microbatches (added to the running sums
+inside the switch, so a tick writes each sum once), and are laid out into
+the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
+reduce-scattered per tick (ZeRO 2/3); ZeRO-3 all-gathers the slots a tick reads one
+tick ahead, before the previous tick's switch, and keeps the slots that consecutive
+ticks read. Expert-parallel regions exchange their tokens by all-to-all over "ep"
+before and after each pass; split weights' pieces (shard, shard_tensor) get their
+gradients reduced only over their copies (`_finish_split`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from piper_jax.ir.graph import Pass
+from piper_jax.ir.plan import Plan, Task
+from piper_jax.lowering.options import LoweringOptions
+from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions, signature
+from piper_jax.lowering.local import RegionRunner
+from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
+                                        backward_weight, full_residuals, region_backward,
+                                        region_forward, region_key, relabel, split_backward)
+from piper_jax.lowering.rolling import Window, find_window
+from piper_jax.lowering.schedule_table import pair_rounds
+from piper_jax.lowering.tick_loop import TickLoop
+from piper_jax.lowering.values import (Exchange, Kept, Location, Received, TickValues,
+                                       ValueKey, ValueKind)
+
+__all__ = ["Program", "lowers_as_loop"]
+
+_GRAD_PASSES = (Pass.B, Pass.BW)
+
+
+def _from_stored(fn, ad: RegionAD, split: BackwardSplit):
+  """`fn(split, residuals, cts, *rest)` (B, BI or BW) as a pass of what a task reads:
+  (stored residuals, params, batch, acts, outs, cts, *rest)."""
+  def run(stored, params, batch, acts, outs, cts, *rest):
+    return fn(split, full_residuals(ad, stored, params, batch, acts, outs), cts, *rest)
+  run.__name__ = run.__qualname__ = fn.__name__  # the pass's name in HLO metadata and profiles
+  return run
+
+
+def _zeros(sig) -> jax.Array:
+  return jnp.zeros(sig[0], jnp.dtype(sig[1]))
+
+
+@dataclasses.dataclass
+class _State:
+  """What a step's ticks pass on: arrays by location, gradient sums, the loss."""
+
+  arrays: dict = dataclasses.field(default_factory=dict)
+  # ZeRO 0/1: gradient position -> sum; ZeRO 2/3: (slot, dtype) -> reduced chunk.
+  acc: dict = dataclasses.field(default_factory=dict)
+  split_acc: dict = dataclasses.field(default_factory=dict)  # split leaves' pieces, by position
+  loss: Any = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.float32))
+
+
+# XLA's GPU command buffers (CUDA graphs) for a pipeline's step: XLA's default kinds
+# plus the per-tick conditional and the rolled loop, so that a tick's kernels go to the
+# GPU as one graph. Without them XLA copies the branch index to the host, waits for the
+# stream, and launches the branch's kernels one by one; at a microbatch of 2 sequences
+# many take a few microseconds. Each tick's conditional sits alone between two
+# collective-permutes (which do not go into graphs), so the smallest graph must be one
+# command, or XLA leaves the conditional on the host (and the host, not the GPU, sets
+# the step's pace). jit DP has no conditionals.
+PIPELINE_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
+                            "CONDITIONAL,WHILE")
+PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS,
+                        "xla_gpu_graph_min_graph_size": 1}
+
+
+def lowers_as_loop(plan: Plan, options: LoweringOptions) -> bool:
+  """Whether `plan` is lowered as one loop over its ticks (`options.tick_loop`; None:
+  for pipelines whose tasks run no collective of their own and whose gradients are not
+  reduced in buckets as they become final, which the loop does not do)."""
+  if options.tick_loop is not None:
+    return options.tick_loop
+  if not options.roll or options.max_carry_depth > 1:
+    return False  # asked for the per-tick program's own unrolling or deeper carries
+  mesh = plan.mesh
+  in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1 or (mesh.zero >= 2 and mesh.n_data > 1)
+  buckets = mesh.zero == 0 and bool(plan.bucket_mb) and mesh.n_data > 1
+  return mesh.n_pp > 1 and not in_tasks and not buckets
+
+
+class Program:
+  """The per-tick lowering of a plan; `body` is the shard_map body of one step."""
+
+  def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout,
+               options: LoweringOptions | None = None, order_collectives: bool = False):
+    """`options.remat` and `options.write_stores_after_switch` None are taken as False
+    here; `pj.compile` resolves them."""
+    self.options = options = options or LoweringOptions()
+    self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
+    self.model = runner.spec
+    mesh = plan.mesh
+    self.data_axes = mesh.data_axes
+    self.n_data = mesh.n_data
+    self.ep = mesh.size("ep")
+    self.ad: dict[int, RegionAD] = {}
+    self.split: dict[int, BackwardSplit] = {}
+    self._analyze_regions(runner, plan, options)
+    self.n_mb = plan.n_microbatches
+    self.mbs = self.model.batch_size
+    # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
+    self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
+    self._plan_grads()
+    self._plan_values()
+    self.tick_loop = TickLoop(self) if lowers_as_loop(plan, options) else None
+    if self.tick_loop is not None:
+      self.buckets = {}  # the loop reduces gradients once, after its last tick
+    self.window = (find_window(self, max_depth=options.max_carry_depth)
+                   if options.roll and self.tick_loop is None else None)
+    self._passes: dict[tuple, Any] = {}
+    # XLA's CPU runtime runs independent operations concurrently, in any order, and a
+    # conditional does not count as a collective: a device could enter a tick's switch
+    # (with EP's all_to_all inside) while its peer still waits in the previous tick's
+    # ppermute, and both wait forever. On CPU every tick's switch waits for the
+    # collectives before it (`order_collectives`, which `pj.compile` sets on CPU);
+    # GPUs run one program order, where a ppermute may overlap the next tick's work.
+    self.order_collectives = order_collectives
+
+  def _analyze_regions(self, runner: RegionRunner, plan: Plan, options: LoweringOptions):
+    """Each region's vjp analysis (`ad`) and backward split (`split`), traced once per
+    `region_key`: a region that traces like an earlier one (a pipeline's middle stages)
+    takes that one's jaxprs, relabelled with its own names."""
+    remat = bool(options.remat)
+    wide = options.wide_weight_grads and plan.n_microbatches > 1
+    backward = {t.region for t in plan.tasks.values() if t.pass_ in (Pass.B, Pass.BI)}
+    # The full key reads every equation: only regions that agree on a cheap outline
+    # (equation count and input and output shapes) compute it.
+    outline = lambda r: (len(runner.traced.regions[r].eqns),
+                         tuple(tuple((tuple(a.shape), str(a.dtype)) for a in avals)
+                               for avals in runner.avals(r)),
+                         tuple((tuple(a.shape), str(a.dtype)) for a in runner.out_avals(r)))
+    outlines: dict[tuple, list[int]] = {}
+    for spec in self.model.regions:
+      outlines.setdefault(outline(spec.index), []).append(spec.index)
+    alone = {rs[0] for rs in outlines.values() if len(rs) == 1}
+    first: dict[tuple, int] = {}  # region key -> the first region traced with it
+    for spec in self.model.regions:
+      r = spec.index
+      src = r if r in alone else first.setdefault(region_key(runner, r, remat), r)
+      if src != r and (r in backward) == (src in backward):
+        found = relabel(runner, src, r, self.ad[src], self.split.get(src))
+        if found is not None:
+          self.ad[r], split = found
+          if split is not None:
+            self.split[r] = split
+          continue
+      self.ad[r] = analyze_region(runner, r, remat)
+      if r in backward:
+        out_avals = runner.out_avals(r)
+        cts = [out_avals[k] for k in self.ad[r].float_outs]
+        self.split[r] = split_backward(self.ad[r], cts, runner.axis_env, wide,
+                                       options.slim_carry, options.column_sum_rows)
+
+  def compiler_options(self, platform: str) -> dict:
+    """XLA options for this program's step on `platform` (`jax.jit`'s `compiler_options`);
+    options that XLA_FLAGS already name are left to it."""
+    if platform != "gpu" or self.plan.n_ranks == 1:
+      return {}
+    named = set(re.findall(r"--(?:no)?(\w+)", os.environ.get("XLA_FLAGS", "")))
+    return {k: v for k, v in PIPELINE_XLA_OPTIONS.items() if k not in named}
+
+  def _pass(self, name: str, region: int, fn):
+    """`fn` (one pass of a region), jitted once per (pass, region): traced for the
+    first microbatch and called for the rest, so the lowered program holds one copy."""
+    key = (name, region)
+    if key not in self._passes:
+      self._passes[key] = jax.jit(fn)
+    return self._passes[key]
+
+  # -- static analysis: who produces and reads every value ----------------------
+
+  def value_aval(self, key: ValueKey):
+    """The shape and dtype of a value."""
+    r, k = key.region, key.index
+    spec = self.model.regions[r]
+    if key.kind is ValueKind.ACT:
+      o = spec.outputs[k]
+      return jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype))
+    if key.kind is ValueKind.RES:
+      return self.ad[r].stored[k].aval
+    if key.kind is ValueKind.WRES:
+      return self.split[r].carry_avals[k]
+    x = spec.inputs[k].spec
+    return jax.ShapeDtypeStruct(x.shape, jnp.dtype(x.dtype))
+
+  def task_reads(self, task: Task) -> list[ValueKey]:
+    """Value keys a task reads."""
+    r, m = task.region, task.mb
+    spec, ad = self.model.regions[r], self.ad[r]
+    keys = []
+    if task.pass_ is Pass.F:
+      keys += [ValueKey(ValueKind.ACT, x.region, m, x.output) for x in spec.inputs]
+    else:
+      keys += [ValueKey(ValueKind.RES, r, m, k) for k in range(len(ad.stored))]
+      for kind, i in ad.reads:
+        if kind == "act":
+          x = spec.inputs[i]
+          keys.append(ValueKey(ValueKind.ACT, x.region, m, x.output))
+        else:
+          keys.append(ValueKey(ValueKind.ACT, r, m, i))
+      keys += self._ct_sources(r, m)
+      if task.pass_ is Pass.BW:
+        keys += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
+    return list(dict.fromkeys(keys))
+
+  def _ct_sources(self, r: int, m: int, out: int | None = None) -> list[ValueKey]:
+    """The cotangent keys (of consumers' inputs, microbatch m) that sum to the cotangent
+    of region r's outputs (of output `out` only, if given)."""
+    keys = []
+    for c in self.model.regions:
+      for i, x in enumerate(c.inputs):
+        if x.region == r and x.differentiable and (out is None or x.output == out):
+          keys.append(ValueKey(ValueKind.CT, c.index, m, i))
+    return keys
+
+  def task_produces(self, task: Task) -> list[ValueKey]:
+    """Value keys a task makes."""
+    r, m = task.region, task.mb
+    if task.pass_ is Pass.F:
+      return ([ValueKey(ValueKind.ACT, r, m, k)
+               for k in range(len(self.model.regions[r].outputs))]
+              + [ValueKey(ValueKind.RES, r, m, k) for k in range(len(self.ad[r].stored))])
+    if task.pass_ is Pass.BW:
+      return []
+    out = [ValueKey(ValueKind.CT, r, m, i) for i in self.ad[r].diff_acts]
+    if task.pass_ is Pass.BI:
+      out += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
+    return out
+
+  def _plan_values(self):
+    plan = self.plan
+    readers: dict[tuple, list[Task]] = {}
+    for t in plan.tasks.values():
+      for key in self.task_reads(t):
+        readers.setdefault(key, []).append(t)
+    self.loc: dict[tuple, Location] = {}   # (key, reader rank) -> where the reader finds it
+    self.ticks: list[TickValues] = []
+    for tick_i, tick in enumerate(plan.ticks):
+      keep_vals = {rank: [] for rank in range(plan.n_ranks)}
+      msgs: dict[tuple[int, int], list] = {}
+      for rank, tasks in enumerate(tick):
+        for task in tasks:
+          for key in self.task_produces(task):
+            if any(rd.rank == rank and rd.tick > tick_i for rd in readers.get(key, [])):
+              keep_vals[rank].append((key, self.value_aval(key)))
+            for dst in sorted({rd.rank for rd in readers.get(key, []) if rd.rank != rank}):
+              msgs.setdefault((rank, dst), []).append((key, self.value_aval(key)))
+      rounds = pair_rounds(set(msgs))
+      keep_pos, keep_where = match_positions(keep_vals)
+      for (rank, key), pos in keep_where.items():
+        self.loc[(key, rank)] = Kept(tick_i, pos)
+      round_info = []
+      for ri, rnd in enumerate(rounds):
+        pos, where = match_positions({a: msgs[(a, b)] for a, b in rnd})
+        for a, b in rnd:
+          for key, _ in msgs[(a, b)]:
+            self.loc[(key, b)] = Received(tick_i, ri, where[(a, key)])
+        round_info.append(Exchange(tuple(rnd), tuple(pos), where))
+      grad_pos = sorted({self.grad_where[(rank, p)] for rank, tasks in enumerate(tick)
+                         for t in tasks if t.pass_ in _GRAD_PASSES
+                         for p in self._grad_leaves(t.region)})
+      self.ticks.append(TickValues(tuple(keep_pos), keep_where, tuple(round_info), tuple(grad_pos)))
+    self.buckets = self._plan_buckets()
+
+  def _plan_buckets(self) -> dict[int, list[list[int]]]:
+    """ZeRO-0 with bucket_mb: per tick, the buckets of gradient positions that become final."""
+    if self.layout.zero != 0 or not self.plan.bucket_mb or self.layout.n_dp == 1:
+      return {}
+    last = {pos: t for t, info in enumerate(self.ticks) for pos in info.grads
+            if pos < self.split_grad0}
+    limit = self.plan.bucket_mb * 2**20
+    out: dict[int, list[list[int]]] = {}
+    for t in sorted(set(last.values())):
+      bucket, size = [], 0
+      for pos in sorted((p for p, lt in last.items() if lt == t), reverse=True):
+        shape, dt = self.grad_positions[pos]
+        bucket.append(pos)
+        size += int(np.prod(shape)) * np.dtype(dt).itemsize
+        if size >= limit:
+          out.setdefault(t, []).append(bucket)
+          bucket, size = [], 0
+      if bucket:
+        out.setdefault(t, []).append(bucket)
+    return out
+
+  def _grad_leaves(self, region: int) -> list[int]:
+    spec = self.model.regions[region]
+    return [spec.params[i] for i in self.ad[region].diff_params]
+
+  def _plan_grads(self):
+    """Positions of the per-leaf gradient accumulators, shared across ranks by size.
+
+    The sums are flat, so that leaves of one size on different ranks share a position
+    whatever their shapes (a model's embedding [V, D] on the first rank and its head
+    [D, V] on the last): every rank holds every position, and by shape each would
+    hold both.
+
+    Split leaves (shard / shard_tensor) come last, at the positions of their
+    pieces in the layout: `split_grad0 + layout.split_pos[p]`.
+    """
+    layout = self.layout
+    per_rank: dict[int, list] = {r: [] for r in range(self.plan.n_ranks)}
+    split_leaves: dict[int, int] = {}
+    for r in self.model.regions:
+      rank = self.plan.mesh.region_rank[r.index]
+      for p in self._grad_leaves(r.index):
+        if p in layout.split:
+          split_leaves[p] = rank
+        elif all(k != p for k, _ in per_rank[rank]):
+          per_rank[rank].append((p, jax.ShapeDtypeStruct((self.model.params[p].size,),
+                                                          jnp.dtype(self.model.params[p].dtype))))
+    self.grad_positions, self.grad_where = match_positions(per_rank)
+    self.split_grad0 = len(self.grad_positions)
+    self.grad_positions += [(shape, dt) for shape, dt, _ in layout.split_positions]
+    for p, rank in split_leaves.items():
+      self.grad_where[(rank, p)] = self.split_grad0 + layout.split_pos[p]
+      per_rank[rank].append((p, None))
+    self.grad_leaves_of_rank = {rank: [p for p, _ in vals if p not in layout.split]
+                                for rank, vals in per_rank.items()}
+    self.owned = {rank: {self.grad_where[(rank, p)] for p in leaves}
+                  for rank, leaves in self.grad_leaves_of_rank.items()}
+
+  # -- the shard_map body -------------------------------------------------------
+
+  def _switch(self, branches, operands):
+    if len(branches) == 1:
+      return branches[0](operands)
+    return lax.switch(lax.axis_index("pp"), branches, operands)
+
+  def body(self, params: dict, batch: list):
+    """One training step on local shards -> (grads like params, summed mean loss)."""
+    st = _State()
+    layout = self.layout
+    if layout.shards_masters:  # whole for the step, cast slots gathered in bf16
+      with jax.named_scope("pj:step start"):
+        params = layout.gather_masters(params)
+    # Leaves the model only reads as a narrower dtype (fp32 master weights cast to bf16)
+    # are cast once per step here (under `shards_masters` they arrive gathered in that
+    # dtype, and the cast is a no-op), or all-gathered in that dtype per tick under ZeRO-3,
+    # instead of being cast again from fp32 in every task that reads them. A pipeline
+    # also unpacks them once (`ParamLayout.unpack_cast`): ticks read them whole.
+    if layout.zero < 3 and layout.cast_to:  # the cast copies of the slots with cast leaves
+      cast_slots = layout.cast_slots - layout.unpacked_slots
+      params = dict(params, cast={
+          "slots": {dt: [x.astype(to) if (j, dt) in cast_slots else None
+                         for j, x in zip(layout.slot_ids[dt], params["slots"][dt])]
+                    for dt, to in layout.cast_to.items()},
+          "shared": {dt: params["shared"][dt].astype(to) for dt, to in layout.cast_to.items()
+                     if (SHARED, dt) in layout.cast_slots}})
+      if layout.unpacked_pos:
+        params["leaves"] = layout.unpack_cast(params)
+    if self.tick_loop is not None:
+      st.acc, st.split_acc = self.zero_sums()
+      with jax.named_scope("pj:tick loop"):
+        out = self.tick_loop.run(params, batch, st.acc, st.split_acc, st.loss)
+      st.acc, st.split_acc, st.loss = out.acc, out.split_acc, out.loss
+    else:
+      self._run_ticks(st, params, batch)
+    acc = st.acc
+    with jax.named_scope("pj:step end"):
+      if self.layout.zero < 2:
+        # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
+        acc = self._assemble(acc, self.reduce_dtype, materialize=not self.buckets) if acc else {}
+      out = self._finish_grads(acc)
+      out["split"] = self._finish_split(st.split_acc)
+      loss = lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
+    return out, loss
+
+  def _run_ticks(self, st: "_State", params: dict, batch: list) -> None:
+    """The plan's ticks one by one, the rolled window (if any) as one loop."""
+    w, t, n = self.window, 0, len(self.plan.ticks)
+    ahead = None
+    while t < n:
+      if w is not None and t == w.start:
+        with jax.named_scope(f"pj:ticks {w.start}-{w.stop - 1} rolled"):
+          self._loop(w, st, params, batch)
+        t, ahead = w.stop, None
+        continue
+      with jax.named_scope(f"pj:tick {t}"):
+        # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
+        # can run beside it (prefetched one tick ahead); what both ticks read is gathered
+        # once.
+        gathered = ahead or (self._gather(t, params, after=st.loss)
+                             if self.layout.zero == 3 else None)
+        ahead = (self._gather(t + 1, params, gathered, after=st.loss) if gathered and t + 1 < n
+                 and (w is None or t + 1 != w.start) else None)
+        self._tick(t, st, params, batch, 0, gathered=gathered)
+      t += 1
+
+  def _read(self, tick_i: int) -> set[int]:
+    """The parameter leaves tick `tick_i` reads."""
+    return {p for ts in self.plan.ticks[tick_i] for t in ts
+            for p in self.model.regions[t.region].params}
+
+  def _gather(self, tick_i: int, params: dict, have: tuple[dict, dict] | None = None,
+              after: jax.Array | None = None) -> tuple[dict, dict]:
+    """`gather_segments` of the leaves tick `tick_i` reads, waiting for `after` under
+    `LoweringOptions.zero3_reshard`."""
+    after = after if self.options.zero3_reshard else None
+    return self.gather_segments(self._read(tick_i), params, have, after)
+
+  def gather_segments(self, read: set[int], params: dict,
+                      have: tuple[dict, dict] | None = None,
+                      after: jax.Array | None = None) -> tuple[dict, dict]:
+    """ZeRO-3: the whole (slot, dtype) segments of the leaves in `read`, all-gathered over
+    the data axes, as (segments, cast segments); those in `have` (the previous tick's)
+    are taken from there instead of gathered again.
+
+    The gathers wait for `after` (the loss so far, which each tick makes depend on its
+    work; XLA drops optimization barriers before it merges collectives). Without it XLA
+    merges a segment's forward and backward gathers into one, and every tick's into one
+    combined gather, and holds all parameters whole for the whole step."""
+    layout = self.layout
+    have_segs, have_cast = have or ({}, {})
+    need: dict[tuple, set] = {}   # (slot, dtype) -> {read as cast?}
+    for p in set(read) - set(layout.split):
+      need.setdefault((layout.home[p].slot, layout.home[p].dtype), set()).add(p in layout.cast)
+
+    got = {(key, key[1]): x for key, x in have_segs.items()}  # (key, dtype) -> segment
+    got.update({(key, layout.cast_to[key[1]]): x for key, x in have_cast.items()})
+
+    def get(key, to):
+      if (key, to) not in got:  # a segment gathered whole is cast, not gathered again
+        whole = got.get((key, key[1]))
+        shard = layout.local_segment(params, *key)
+        if after is not None:  # adds exactly 0 (isfinite is 0 or 1): XLA keeps the wait
+          shard = shard + 0 * jnp.isfinite(after).astype(shard.dtype)
+        got[(key, to)] = (whole.astype(to) if whole is not None else lax.all_gather(
+            shard.astype(to), self.data_axes, tiled=True))
+      return got[(key, to)]
+
+    # Cast leaves have slots of their own (the SHARED one may mix both: gathered once).
+    segs = {key: get(key, key[1]) for key, kinds in need.items() if False in kinds}
+    cast = {key: get(key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
+    return segs, cast
+
+  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None,
+            gathered: tuple[dict, dict] | None = None, in_order: bool = False):
+    """Runs tick `tick_i` (its microbatches `shift` later) and its collectives on `st`;
+    `loc` overrides where its reads are found ((key, rank) -> location); `gathered`:
+    the tick's ZeRO-3 segments if already all-gathered (`_gather`); `in_order`: the
+    tick's switch waits for the previous tick's, even where it reads nothing from it."""
+    plan, layout = self.plan, self.layout
+    loc = self.loc if loc is None else loc
+    zero, axes = layout.zero, self.data_axes
+    tick, info = plan.ticks[tick_i], self.ticks[tick_i]
+    read = self._read(tick_i)
+    leaves = params.get("leaves", [])
+    if zero == 3:
+      segs, cast = gathered or self._gather(tick_i, params, after=st.loss)
+    else:
+      segs, cast = None, params.get("cast")
+      params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
+    split = self.gather_split_pieces(params["split"], read)
+    reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
+                    for key in self.task_reads(t)
+                    if (key, rank) in loc and loc[(key, rank)].tick < tick_i}, key=str)
+    # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
+    acc_in = {}
+    for pos in info.grads:
+      sums = st.split_acc if pos >= self.split_grad0 else st.acc if zero < 2 else {}
+      if pos in sums:
+        acc_in[pos] = sums[pos]
+    operands = {"arrays": {k: st.arrays[k] for k in reads},
+                "params": params if segs is None else segs, "cast": cast, "split": split,
+                "leaves": leaves,
+                "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
+    branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
+                for rank in range(plan.n_ranks)]
+    if in_order or self.order_collectives:
+      # In a rolled loop, a tick that reads a carried value must run before the later
+      # tick that makes its successor, or XLA copies the value every iteration (ZB's
+      # F-only ticks read nothing of the tick before them): every branch reads the loss
+      # so far (an optimization barrier around the operands does not survive XLA). Under
+      # `order_collectives` the loss also depends on the collectives before this tick.
+      operands["after"] = st.loss
+    keep, rounds, grads, tick_loss = self._switch(branches, operands)
+    st.loss = st.loss + tick_loss
+    if zero == 3 and self.options.zero3_reshard:  # later ticks' gathers wait for this one
+      made = [x for x in [*keep, *(y for r in rounds for y in r), *grads.values()] if x.size]
+      if made:
+        st.loss = st.loss + 0 * jnp.isfinite(made[0].reshape(-1)[0]).astype(st.loss.dtype)
+    for pos, x in enumerate(keep):
+      st.arrays[Kept(tick_i, pos)] = x
+    for ri, (rnd, payload) in enumerate(zip(info.rounds, rounds)):
+      for pos, x in enumerate(payload):
+        st.arrays[Received(tick_i, ri, pos)] = self._before_next_tick(
+            st, lax.ppermute(x, "pp", perm=list(rnd.perm)))
+    for pos in [p for p in grads if p >= self.split_grad0]:
+      st.split_acc[pos] = grads.pop(pos)
+    if zero >= 2 and grads:
+      for key, x in self._assemble(grads, self.reduce_dtype, materialize=True).items():
+        x = self._grad_collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
+        x = self._before_next_tick(st, x).astype(key[1])
+        st.acc[key] = st.acc[key] + x if key in st.acc else x
+    else:
+      st.acc.update(grads)
+      for bucket in self.buckets.get(tick_i, []):
+        # One all-reduce of several arrays as soon as they are final, which XLA
+        # can overlap with the backward work that follows.
+        summed = self._grad_collective(lax.psum, tuple(st.acc[p] for p in bucket), axes,
+                                       keep_dtype=False)
+        st.acc.update(zip(bucket, (self._before_next_tick(st, x) for x in summed)))
+
+  def _before_next_tick(self, st: "_State", x: jax.Array) -> jax.Array:
+    """x, a collective's result; under `order_collectives` the next tick's switch waits
+    for it (the loss, which the switch reads, adds exactly 0: isfinite is 0 or 1)."""
+    if self.order_collectives and x.size:
+      st.loss = st.loss + 0 * jnp.isfinite(x.reshape(-1)[0]).astype(st.loss.dtype)
+    return x
+
+  def _loop(self, w: Window, st: "_State", params: dict, batch: list):
+    """Ticks [w.start, w.stop) as a `lax.fori_loop` over the first `w.length` of them."""
+    body_ticks = range(w.start, w.start + w.length)
+    # Every sum the loop adds to exists before it, so the carry keeps one structure.
+    for t in body_ticks:
+      grads = self.ticks[t].grads
+      for pos in grads:
+        if pos >= self.split_grad0:
+          st.split_acc.setdefault(pos, _zeros(self.grad_positions[pos]))
+        elif self.layout.zero < 2:
+          st.acc.setdefault(pos, _zeros(self.grad_positions[pos]))
+      if self.layout.zero >= 2:
+        for key in self._segment_keys([p for p in grads if p < self.split_grad0]):
+          size = self.layout.segment_size(*key) // self.n_data
+          st.acc.setdefault(key, jnp.zeros((size,), jnp.dtype(key[1])))
+    acc_keys, split_keys = sorted(st.acc, key=str), sorted(st.split_acc)
+    reads = dict(w.reads)
+
+    def iteration(j, c):
+      inner = _State(dict(zip(w.carry, c["carry"])), dict(zip(acc_keys, c["acc"])),
+                     dict(zip(split_keys, c["split"])), c["loss"])
+      for t in body_ticks:
+        self._tick(t, inner, params, batch, j * w.mb_shift, reads, in_order=True)
+      return {"carry": [inner.arrays[k.shifted(w.length)] for k in w.carry],
+              "exits": [inner.arrays[k] for k in w.exits],
+              "acc": [inner.acc[k] for k in acc_keys],
+              "split": [inner.split_acc[k] for k in split_keys], "loss": inner.loss}
+
+    init = {"carry": [self._entry_value(st.arrays, e) for e in w.entry],
+            "exits": [_zeros(self.loc_signature(k)) for k in w.exits],
+            "acc": [st.acc[k] for k in acc_keys], "split": [st.split_acc[k] for k in split_keys],
+            "loss": st.loss}
+    out = lax.fori_loop(0, w.iters, iteration, init)
+    last = (w.iters - 1) * w.length
+    st.arrays.update({k.shifted(last + w.length): x for k, x in zip(w.carry, out["carry"])})
+    st.arrays.update({k.shifted(last): x for k, x in zip(w.exits, out["exits"])})
+    st.acc = dict(zip(acc_keys, out["acc"]))
+    st.split_acc = dict(zip(split_keys, out["split"]))
+    st.loss = out["loss"]
+
+  def _entry_value(self, arrays: dict, entry: tuple) -> jax.Array:
+    """A carried array as the loop's first iteration reads it: on each pipeline rank, the
+    array at that rank's location before the loop (`Window.entry`)."""
+    where = dict(entry)
+    locs = sorted(set(where.values()), key=str)
+    if len(locs) == 1:
+      return arrays[locs[0]]
+    table = jnp.asarray([locs.index(where.get(r, locs[0])) for r in range(self.plan.n_ranks)])
+    return lax.select_n(table[lax.axis_index("pp")], *[arrays[k] for k in locs])
+
+  def loc_signature(self, loc: Location) -> tuple:
+    """(shape, dtype) of the array at a value location."""
+    info = self.ticks[loc.tick]
+    if isinstance(loc, Kept):
+      return info.keep_positions[loc.pos]
+    return info.rounds[loc.round].positions[loc.pos]
+
+  def _grad_collective(self, op, x, *args, keep_dtype: bool = True, **kwargs):
+    """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
+    tuple), run in the plan's `reduce_dtype` where it has one; the result is cast back
+    to x's dtype unless `keep_dtype` is False."""
+    dt = self.reduce_dtype
+    if dt is None:
+      return op(x, *args, **kwargs)
+    cast = lambda t, to: t.astype(to) if jnp.issubdtype(t.dtype, jnp.floating) else t
+    out = op(jax.tree_util.tree_map(lambda t: cast(t, dt), x), *args, **kwargs)
+    if not keep_dtype:
+      return out
+    return jax.tree_util.tree_map(lambda t, ref: cast(t, ref.dtype), out, x)
+
+  def gather_split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
+    """Split weights' pieces for a tick that reads parameters `read`; under ZeRO-3 those
+    pieces are all-gathered over their copies (the others stay sharded: no task of
+    the tick reads them)."""
+    layout = self.layout
+    if layout.zero < 3:
+      return local
+    out = list(local)
+    for k in sorted({layout.split_pos[p] for p in read if p in layout.split}):
+      out[k] = layout.gather_piece(local[k], k)
+    return out
+
+  def _finish_split(self, split_acc: dict[int, jax.Array]) -> list[jax.Array]:
+    """Split leaves' gradients, summed over the copies of their group, as [1, 1, *piece].
+
+    Expert pieces are copied over "dp" (tensor-parallel devices compute the same
+    ones); tensor-parallel pieces over the data axes, whose devices see other rows.
+    With ZeRO >= 1 the sum is reduce-scattered along `layout.split_zero_dim`.
+    """
+    layout, out = self.layout, []
+    for k, (shape, dt, kind) in enumerate(layout.split_positions):
+      g = split_acc.get(self.split_grad0 + k)
+      g = jnp.zeros(shape, jnp.dtype(dt)) if g is None else g
+      axes, copies = layout.copies[kind]
+      d = layout.split_zero_dim(k) if layout.zero >= 1 else None
+      if d is not None:
+        g = self._grad_collective(lax.psum_scatter, g, axes, scatter_dimension=d, tiled=True)
+      elif copies > 1:
+        g = self._grad_collective(lax.psum, g, axes)
+      out.append(g[None, None])
+    return out
+
+  def _assemble(self, grads: dict[int, jax.Array], dtype: str | None = None,
+                materialize: bool = False) -> dict[tuple, jax.Array]:
+    """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments, built
+    in `dtype` if given (a reduction's dtype: the cast fuses into the copy of each leaf).
+    `materialize`: each raveled leaf is computed on its own (an optimization barrier)
+    instead of fused into the segment's concatenate, whose GPU emitter can run a fused
+    bias-gradient reduction with one thread per column, slow enough to matter per step)."""
+    keys = self._segment_keys(grads)
+    return self._switch([functools.partial(self._assemble_rank, r, keys=keys, dtype=dtype,
+                                           materialize=materialize)
+                         for r in range(self.plan.n_ranks)], grads)
+
+  def _assemble_rank(self, rank: int, g: dict[int, jax.Array], keys: list[tuple],
+                     dtype: str | None, materialize: bool) -> dict[tuple, jax.Array]:
+    """`_assemble` on pipeline rank `rank`: its leaves' gradients into segments `keys`."""
+    layout = self.layout
+    segs = {key: jnp.zeros((layout.segment_size(*key),), jnp.dtype(dtype or key[1]))
+            for key in keys}
+    for p in self.grad_leaves_of_rank[rank]:
+      pos = self.grad_where[(rank, p)]
+      if pos not in g:
+        continue
+      h = layout.home[p]
+      key = (h.slot, h.dtype)
+      leaf = jnp.ravel(g[pos]).astype(segs[key].dtype)
+      if materialize:
+        leaf = lax.optimization_barrier(leaf)
+      segs[key] = lax.dynamic_update_slice(segs[key], leaf, (h.offset,))
+    return segs
+
+  def add_task_grads(self, rank: int, grads: dict[int, jax.Array], acc: dict,
+                     split_acc: dict) -> None:
+    """Adds one task's weight gradients (leaf -> array) on pipeline rank `rank` to the
+    step's sums, which hold every position: per-leaf sums under ZeRO 0/1, this replica's
+    reduce-scattered segments under ZeRO 2/3; split leaves' pieces to `split_acc`."""
+    by_pos = {self.grad_where[(rank, p)]: g for p, g in grads.items()}
+    segment_grads = {}
+    for pos, g in by_pos.items():
+      if pos >= self.split_grad0:
+        split_acc[pos] = split_acc[pos] + g.astype(split_acc[pos].dtype)
+      elif self.layout.zero < 2:
+        acc[pos] = acc[pos] + jnp.ravel(g).astype(acc[pos].dtype)
+      else:
+        segment_grads[pos] = g.astype(self.grad_positions[pos][1])
+    if segment_grads:
+      keys = sorted({(self.layout.home[p].slot, self.layout.home[p].dtype)
+                     for p in self.grad_leaves_of_rank[rank]
+                     if self.grad_where[(rank, p)] in segment_grads}, key=str)
+      segs = self._assemble_rank(rank, segment_grads, keys, self.reduce_dtype, True)
+      for key, x in segs.items():
+        x = self._grad_collective(lax.psum_scatter, x, self.data_axes, scatter_dimension=0,
+                                  tiled=True)
+        acc[key] = acc[key] + x.astype(key[1])
+
+  def zero_sums(self) -> tuple[dict, dict]:
+    """Zero gradient sums of every position the step adds to: (acc, split_acc)."""
+    if self.layout.zero < 2:
+      acc = {pos: _zeros(self.grad_positions[pos]) for pos in range(self.split_grad0)}
+    else:
+      acc = {key: jnp.zeros((self.layout.segment_size(*key) // self.n_data,), jnp.dtype(key[1]))
+             for key in self._segment_keys(range(self.split_grad0))}
+    split = {pos: _zeros(self.grad_positions[pos])
+             for pos in range(self.split_grad0, len(self.grad_positions))}
+    return acc, split
+
+  def _segment_keys(self, positions) -> list[tuple]:
+    """The (slot, dtype) segments that gradients at `positions` (any rank's) fall in."""
+    layout = self.layout
+    return sorted({(layout.home[p].slot, layout.home[p].dtype)
+                   for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
+                   if self.grad_where[(rank, p)] in positions}, key=str)
+
+  def run_task(self, r: int, pass_: Pass, m: int, read, param, batch: list,
+               made: dict, grad_acc: dict) -> jax.Array:
+    """Runs pass `pass_` of region `r` on microbatch `m`'s values: `read(key)` gives a
+    value it reads, `param(p)` a parameter leaf, `batch` the microbatch's batch leaves.
+    Puts the values it makes in `made` (key -> array), adds its weight gradients to
+    `grad_acc` (leaf -> sum), and returns its contribution to the loss."""
+    model = self.model
+    spec, ad = model.regions[r], self.ad[r]
+    params = [param(p) for p in spec.params]
+    ep = self.runner.io_local(r)
+    loss = jnp.zeros((), jnp.float32)
+    if pass_ is Pass.F:
+      acts = [read(ValueKey(ValueKind.ACT, x.region, m, x.output)) for x in spec.inputs]
+      if ep:
+        acts = [self._dispatch(x) for x in acts]
+      forward = self._pass("F", r, functools.partial(region_forward, ad))
+      outs, stored = forward(params, batch, acts)
+      if ep:
+        outs = [self._combine(x) for x in outs]
+      for k, x in enumerate(outs):
+        made[ValueKey(ValueKind.ACT, r, m, k)] = x
+      for k, x in enumerate(stored):
+        made[ValueKey(ValueKind.RES, r, m, k)] = x
+      if spec.produces_loss:
+        loss = loss + outs[self.traced.loss_output()].astype(jnp.float32)
+      return loss
+    acts = [None] * len(spec.inputs)
+    outs = [None] * len(spec.outputs)
+    for kind, i in ad.reads:
+      if kind == "act":
+        x = spec.inputs[i]
+        acts[i] = read(ValueKey(ValueKind.ACT, x.region, m, x.output))
+      else:
+        outs[i] = read(ValueKey(ValueKind.ACT, r, m, i))
+    stored = [read(ValueKey(ValueKind.RES, r, m, k)) for k in range(len(ad.stored))]
+    cts = []
+    for k in ad.float_outs:
+      o = spec.outputs[k]
+      ct = jnp.zeros(o.shape, jnp.dtype(o.dtype))
+      for key in self._ct_sources(r, m, k):
+        ct = ct + read(key).astype(ct.dtype)
+      if spec.produces_loss and k == self.traced.loss_output():
+        ct = ct + jnp.asarray(1.0 / (self.n_data * self.n_mb), ct.dtype)
+      cts.append(self._dispatch(ct) if ep else ct)
+    args = (stored, params, batch, acts, outs, cts)
+    split = self.split[r]
+    if pass_ is Pass.B:
+      d_params, d_acts = self._pass("B", r, _from_stored(region_backward, ad, split))(*args)
+    elif pass_ is Pass.BI:
+      d_acts, carry = self._pass("BI", r, _from_stored(backward_input, ad, split))(*args)
+      for k, x in enumerate(carry):
+        made[ValueKey(ValueKind.WRES, r, m, k)] = x
+      d_params = []
+    else:
+      carry = [read(ValueKey(ValueKind.WRES, r, m, k)) for k in range(len(split.carry))]
+      d_params = self._pass("BW", r, _from_stored(backward_weight, ad, split))(*args, carry)
+      d_acts = []
+    for i, x in zip(ad.diff_acts, d_acts):
+      made[ValueKey(ValueKind.CT, r, m, i)] = self._combine(x) if ep else x
+    for i, g in zip(ad.diff_params, d_params):
+      p = spec.params[i]
+      grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
+    return loss
+
+  def param_reader(self, ops: dict, gathered: bool):
+    """`param(p)`: parameter leaf p from a switch's operands ("params", "cast", "split",
+    "leaves"); `gathered`: "params" and "cast" hold ZeRO-3's gathered whole segments."""
+    layout = self.layout
+    seg_cache = {}
+
+    def segment(slot, dt, cast):
+      if (slot, dt, cast) not in seg_cache:
+        src = ops["cast"] if cast else ops["params"]
+        seg_cache[(slot, dt, cast)] = (src[(slot, dt)] if gathered
+                                       else layout.local_segment(src, slot, dt))
+      return seg_cache[(slot, dt, cast)]
+
+    def param(p):
+      if p in layout.split:
+        return layout.local_piece({"split": ops["split"]}, p)
+      h = layout.home[p]
+      if p in layout.unpacked_pos:  # (and the model's own cast turns it back)
+        return layout.unpacked_leaf(ops["leaves"], p).astype(h.dtype)
+      if p in layout.cast:  # the model's own cast of this turns it back into the cast copy
+        return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
+      return layout.leaf(segment(h.slot, h.dtype, False), h)
+
+    return param
+
+  def _branch(self, rank: int, tick_i: int, tasks: list[Task], gathered: bool, loc: dict):
+    layout, model, info = self.layout, self.model, self.ticks[tick_i]
+    keep_pos, keep_where = info.keep_positions, info.keep_where
+
+    def run(ops):
+      env: dict[tuple, jax.Array] = {}
+
+      def read(key):
+        if key in env:
+          return env[key]
+        return ops["arrays"][loc[(key, rank)]]
+
+      param = self.param_reader(ops, gathered)
+
+      def batch_mb(r, m):
+        return [lax.dynamic_slice_in_dim(ops["batch"][i], (m + ops["shift"]) * self.mbs,
+                                         self.mbs, 0)
+                for i in model.regions[r].batch]
+
+      grad_acc: dict[int, jax.Array] = {}
+      loss = jnp.zeros((), jnp.float32)
+      for t in tasks:
+        loss = loss + self.run_task(t.region, t.pass_, t.mb, read, param,
+                                    batch_mb(t.region, t.mb), env, grad_acc)
+
+      # Positions that other ranks' values hold (positions are shared by shape) take an
+      # array of the same shape this tick made and dropped anyway, such as a residual F
+      # and B used within the tick: it is written once either way, zeros would be an
+      # extra write. Nobody reads these positions.
+      mine = ({key for (rk, key) in keep_where if rk == rank}
+              | {key for rnd in info.rounds for (rk, key) in rnd.where if rk == rank})
+      spare: dict[tuple, list] = {}
+      taken = {id(env[key]) for key in mine}  # an array may sit under two keys
+      for key, x in env.items():
+        if id(x) not in taken:
+          taken.add(id(x))
+          spare.setdefault(signature(x), []).append(x)
+
+      def filler(sig):
+        return spare[sig].pop() if spare.get(sig) else _zeros(sig)
+
+      def fill(positions, where):
+        out = [None] * len(positions)
+        for (rk, key), pos in where.items():
+          if rk == rank:
+            out[pos] = env[key]
+        return tuple(filler(sig) if x is None else x.astype(sig[1])
+                     for x, sig in zip(out, positions))
+
+      keep = fill(keep_pos, keep_where)
+      rounds = [fill(rnd.positions, rnd.where) for rnd in info.rounds]
+      # The tick's gradients added to the sums passed in; a rank that makes none for a
+      # position it owns passes its sum through; positions it does not own (another
+      # rank's leaves, shared by shape) are never assembled and need no copy.
+      by_pos = {self.grad_where[(rank, p)]: g for p, g in grad_acc.items()}
+      grads = {}
+      for pos in info.grads:
+        g, old = by_pos.get(pos), ops["acc"].get(pos)
+        if g is not None:
+          g = g.astype(self.grad_positions[pos][1])
+          if pos < self.split_grad0:  # per-leaf sums are flat; split pieces keep their shape
+            g = jnp.ravel(g)
+          grads[pos] = g if old is None else old + g
+        elif pos < self.split_grad0 and pos not in self.owned[rank]:
+          grads[pos] = filler(self.grad_positions[pos])
+        else:
+          grads[pos] = _zeros(self.grad_positions[pos]) if old is None else old
+      if "after" in ops:  # ordering only (`_tick`'s in_order); a non-finite loss stays so
+        loss = loss + 0 * ops["after"]
+      return keep, rounds, grads, loss
+
+    return run
+
+  def _dispatch(self, x: jax.Array) -> jax.Array:
+    """[experts, ...] tokens of this device -> [source device, local experts, ...]."""
+    g = self.ep
+    x = x.reshape((g, x.shape[0] // g) + x.shape[1:])
+    return lax.all_to_all(x, "ep", 0, 0, tiled=True)
+
+  def _combine(self, x: jax.Array) -> jax.Array:
+    """The inverse of `_dispatch`: results go back to the devices the tokens came from."""
+    x = lax.all_to_all(x, "ep", 0, 0, tiled=True)
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+  def _finish_grads(self, grads: dict) -> dict:
+    """Reduces accumulated gradients once and lays them out like the local param buffers."""
+    layout = self.layout
+    out = {"slots": {}, "shared": {}}
+    for dt in layout.dtypes:
+      out["slots"][dt] = [self._reduce(grads.get((j, dt)), layout.chunk[(j, dt)], dt)[None]
+                          for j in layout.slot_ids[dt]]
+      shared = grads.get((SHARED, dt))
+      shared = None if shared is None else lax.psum(shared, "pp")  # tied: summed over ranks
+      out["shared"][dt] = self._reduce(shared, layout.shared_chunk[dt], dt)
+    return out
+
+  def _reduce(self, g, chunk: int, dt: str) -> jax.Array:
+    """A segment's gradient, reduced over "dp" as its ZeRO stage says, as [rows, chunk].
+
+    ZeRO-0: all-reduced, every replica keeps all rows; ZeRO-1: reduce-scattered to
+    this replica's chunk; ZeRO-2/3: already reduce-scattered per tick.
+    """
+    zero, n_dp, axes = self.layout.zero, self.layout.n_dp, self.data_axes
+    if g is None:
+      g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
+    if zero == 0:
+      g = g if self.buckets else self._grad_collective(lax.psum, g, axes)  # buckets: done
+      return g.astype(dt).reshape(n_dp, chunk)
+    if zero == 1:
+      g = self._grad_collective(lax.psum_scatter, g, axes, scatter_dimension=0, tiled=True)
+      return g.astype(dt).reshape(1, chunk)
+    return g.reshape(1, chunk)

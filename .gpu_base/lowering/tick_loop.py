@@ -1,0 +1,209 @@
+"""A pipeline step as one loop over its ticks, the plan as data (`schedule_table`).
+
+An iteration is one tick. It runs the table's slots in an inner loop around one
+`lax.switch` whose branches are the task kinds (a region's F, B, BI or BW), each once;
+the table says which branch each pipeline rank takes in each slot, on which microbatch,
+and which rows of the value stores it reads and writes. Then come the table's rounds
+of `ppermute`, each rank sending the rows the table names (its scratch rows when it
+has nothing to send), and what the tick received is written into the stores. Ranks
+meet once per tick, as in the per-tick lowering; the slots' loop holds no collective,
+so on GPUs it runs as one CUDA graph. The compiled program's size does not grow with
+the number of microbatches, ticks or tasks per tick: warm-up and cool-down are
+iterations like the others.
+
+Collectives inside a branch (EP's all-to-all, ZeRO-2's reduce-scatter, ZeRO-3's
+all-gather) run over groups of devices that share a pipeline rank, which take the
+same branch in every tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from piper_jax.ir.graph import Pass
+from piper_jax.lowering.layout import signature
+from piper_jax.lowering.schedule_table import ScheduleTable, TaskKind, build_table
+
+if TYPE_CHECKING:
+  from piper_jax.lowering.program import Program
+
+__all__ = ["TickLoop"]
+
+_GRAD_PASSES = (Pass.B, Pass.BW)
+
+
+@dataclasses.dataclass
+class LoopCarry:
+  """What one tick hands the next: value stores, gradient sums and the loss."""
+
+  stores: list
+  acc: dict       # ZeRO 0/1: gradient position -> sum; ZeRO 2/3: (slot, dtype) -> chunk
+  split_acc: dict  # split leaves' gradient positions -> sum
+  loss: jax.Array
+
+
+@dataclasses.dataclass
+class SlotOut:
+  """What a slot's branch returns when the stores are written after the switch
+  (`LoweringOptions.write_stores_after_switch`): per write position
+  (`TickLoop.positions`), the value it made and the store row it goes to (the store's
+  scratch row where the kind writes fewer values there), and the gradient sums and
+  loss. Otherwise a branch returns the whole `LoopCarry`, stores written in place."""
+
+  values: list
+  rows: list
+  acc: dict
+  split_acc: dict
+  loss: jax.Array
+
+
+jax.tree_util.register_dataclass(LoopCarry, data_fields=["stores", "acc", "split_acc", "loss"],
+                                 meta_fields=[])
+jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "rows", "acc", "split_acc", "loss"],
+                                 meta_fields=[])
+
+
+def _written(stores: list, values) -> list:
+  """`stores` with each (store, value, row) of `values` written into that row."""
+  stores = list(stores)
+  for st, x, row in values:
+    stores[st] = lax.dynamic_update_index_in_dim(stores[st], x, row, 0)
+  return stores
+
+
+class TickLoop:
+  """Lowers `prog`'s plan as one `lax.fori_loop` over its ticks."""
+
+  def __init__(self, prog: "Program"):
+    self.prog = prog
+    self.table: ScheduleTable = build_table(
+        prog.plan.ticks, prog.task_reads, prog.task_produces,
+        lambda key: signature(prog.value_aval(key)))
+    # Per kind: its tasks in one occurrence, with microbatch 0 (the branch finds a
+    # value's position in the table's rows by its key).
+    self._tasks: list[list] = []
+    for kind, (ti, r, n) in zip(self.table.kinds, self.table.first):
+      ts = prog.plan.ticks[ti][r][n:n + len(kind.steps)]
+      self._tasks.append([dataclasses.replace(t, mb=0) for t in ts])
+    # Write positions: (store, n) for the n-th value a kind writes to that store, as
+    # many per store as the kind that writes it most.
+    most: dict[int, int] = {}
+    for kind in self.table.kinds:
+      for st in set(kind.writes):
+        most[st] = max(most.get(st, 0), kind.writes.count(st))
+    self.positions: list[tuple[int, int]] = [(st, n) for st in sorted(most)
+                                             for n in range(most[st])]
+    self.write_after = bool(prog.options.write_stores_after_switch)
+
+  # -- the branches ---------------------------------------------------------
+
+  def _branch(self, i: int, kind: TaskKind):
+    prog = self.prog
+    layout = prog.layout
+    tasks = self._tasks[i]
+    rank = prog.plan.mesh.region_rank[tasks[0].region]
+    where = {prog.task_reads(tasks[j])[n]: x for x, (j, n) in enumerate(kind.read_at)}
+    write_keys = [prog.task_produces(tasks[j])[n] for j, n in kind.write_at]
+    reads_params = set().union(*(prog.model.regions[t.region].params for t in tasks))
+
+    def run(ops):
+      stores = ops["stores"]
+      made: dict = {}   # what the steps made, read by the steps after them
+
+      def read(key):
+        if key in made:
+          return made[key]
+        x = where[key]
+        return lax.dynamic_index_in_dim(stores[kind.reads[x]], ops["read_rows"][x], 0,
+                                        keepdims=False)
+
+      params = ops["params"]
+      own = {k: params[k] for k in ("slots", "shared", "split")}
+      gathered = layout.zero == 3
+      if gathered:  # these regions' segments and pieces, whole for the task
+        segs, cast = prog.gather_segments(reads_params, own)
+        params = {"params": segs, "cast": cast, "leaves": [],
+                  "split": prog.gather_split_pieces(own["split"], reads_params)}
+      else:
+        params = {"params": own, "cast": params.get("cast"), "split": own["split"],
+                  "leaves": params.get("leaves", [])}
+      param = prog.param_reader(params, gathered)
+      grad_acc: dict = {}
+      loss = ops["loss"]
+      for t in tasks:
+        batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0)
+                 for b in prog.model.regions[t.region].batch]
+        loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
+      written = [(kind.writes[j], made[key].astype(stores[kind.writes[j]].dtype),
+                  ops["write_rows"][j]) for j, key in enumerate(write_keys)]
+      acc, split_acc = dict(ops["acc"]), dict(ops["split_acc"])
+      if any(t.pass_ in _GRAD_PASSES for t in tasks):
+        prog.add_task_grads(rank, grad_acc, acc, split_acc)
+      if self.write_after:
+        return self._slot_out(written, acc, split_acc, loss)
+      return LoopCarry(_written(stores, written), acc, split_acc, loss)
+
+    return run
+
+  def _slot_out(self, written, acc, split_acc, loss) -> SlotOut:
+    """A slot's result for the stores written after the switch: the `written` (store,
+    value, row) at their positions, a zero value for its store's scratch row at the others."""
+    stores = self.table.stores
+    values = [jnp.zeros(stores[st].shape, jnp.dtype(stores[st].dtype)) for st, _ in self.positions]
+    rows = [jnp.int32(stores[st].scratch) for st, _ in self.positions]
+    seen: dict[int, int] = {}
+    for st, x, row in written:
+      p = self.positions.index((st, seen.get(st, 0)))
+      seen[st] = seen.get(st, 0) + 1
+      values[p], rows[p] = x, row
+    return SlotOut(values, rows, acc, split_acc, loss)
+
+  def _idle(self, ops):
+    if self.write_after:
+      return self._slot_out([], dict(ops["acc"]), dict(ops["split_acc"]), ops["loss"])
+    return LoopCarry(ops["stores"], ops["acc"], ops["split_acc"], ops["loss"])
+
+  # -- the loop -------------------------------------------------------------
+
+  def run(self, params: dict, batch: list, acc: dict, split_acc: dict,
+          loss: jax.Array) -> LoopCarry:
+    """All ticks of the plan from the given gradient sums and loss (sums of every
+    position the step adds to must be present)."""
+    table = self.table
+    code, mb, read_rows, write_rows, send_rows, recv_rows = (
+        jnp.asarray(x) for x in (table.code, table.mb, table.read_rows, table.write_rows,
+                                 table.send_rows, table.recv_rows))
+    branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
+    stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
+    rank = lax.axis_index("pp")
+
+    def tick(i, c: LoopCarry) -> LoopCarry:
+      def slot(s, c: LoopCarry) -> LoopCarry:
+        ops = {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
+               "params": params, "batch": batch, "mb": mb[i, rank, s],
+               "read_rows": read_rows[i, rank, s], "write_rows": write_rows[i, rank, s]}
+        out = lax.switch(code[i, rank, s], branches, ops)
+        if not self.write_after:
+          return out
+        stores = _written(c.stores, [(st, out.values[p], out.rows[p])
+                                     for p, (st, _) in enumerate(self.positions)])
+        return LoopCarry(stores, out.acc, out.split_acc, out.loss)
+
+      c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
+      got = [lax.ppermute([lax.dynamic_index_in_dim(c.stores[st], send_rows[i, rank, j, n], 0,
+                                                    keepdims=False)
+                           for n, st in enumerate(rnd.stores)], "pp", perm=list(rnd.perm))
+             for j, rnd in enumerate(table.rounds)]
+      stores = _written(c.stores, [(st, got[j][n], recv_rows[i, rank, j, n])
+                                   for j, rnd in enumerate(table.rounds)
+                                   for n, st in enumerate(rnd.stores)])
+      return LoopCarry(stores, c.acc, c.split_acc, c.loss)
+
+    return lax.fori_loop(0, table.n_iterations, tick,
+                         LoopCarry(stores, acc, split_acc, loss))

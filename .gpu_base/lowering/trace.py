@@ -1,0 +1,297 @@
+"""Traces a loss function to a jaxpr and cuts it into annotated regions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from piper_jax.annotate import parse_scope, reset_counters
+from piper_jax.ir.graph import TensorSpec
+from piper_jax.ir.model import ActivationRef, ModelSpec, RegionSpec
+from piper_jax.lowering.compat import Literal, Var, eval_eqns, name_stack
+
+__all__ = ["TracedLoss", "trace_loss", "path_name", "check_leaf"]
+
+
+def path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def check_leaf(name: str, x, dtype, shape=None, traced_from: str = "the example") -> None:
+  """Raises a ValueError naming leaf `name` when `x` is not of `dtype` (and `shape`, when
+  given): a step runs one compiled program, and casting silently could change precision.
+
+  Dtypes compare as jit sees them (numpy's int64 is int32 unless x64 is enabled).
+  """
+  got, want = jnp.dtype(jnp.result_type(x)), jnp.dtype(dtype)
+  got_shape = tuple(np.shape(x))
+  if shape is not None and got_shape != tuple(shape):
+    raise ValueError(f"{name} has shape {got_shape}, but the step was compiled for "
+                     f"{tuple(shape)} ({traced_from}); pass a leaf of that shape, or compile "
+                     f"the step for this one")
+  if got != want:
+    raise ValueError(f"{name} has dtype {got.name}, but the step was compiled for {want.name} "
+                     f"({traced_from}); cast it with `.astype(jnp.{want.name})`, or compile "
+                     f"the step for this dtype")
+
+
+def _spec(name: str, aval, names=None) -> TensorSpec:
+  return TensorSpec(name, tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)),
+                    None if names is None else tuple(names))
+
+
+def _partition_names(params) -> list:
+  """Per parameter leaf, its Flax partitioning names (`nn.with_partitioning`) or None."""
+  boxed = lambda x: hasattr(x, "names") and hasattr(x, "unbox")
+  return [tuple(x.names) if boxed(x) else None
+          for x in jax.tree_util.tree_leaves(params, is_leaf=boxed)]
+
+
+def _is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _eqn_flops(eqn) -> float:
+  """Matmul FLOPs of an equation (2*M*N*K per dot_general), recursing into sub-jaxprs."""
+  if eqn.primitive.name == "dot_general":
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    k = 1
+    for d in lc:
+      k *= eqn.invars[0].aval.shape[d]
+    return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * k
+  total = 0.0
+  for p in eqn.params.values():
+    sub = getattr(p, "jaxpr", p)
+    if hasattr(sub, "eqns"):
+      total += sum(_eqn_flops(e) for e in sub.eqns)
+  return total
+
+
+def _inner_scope(eqn) -> tuple:
+  """The first annotation scope found inside an equation's sub-jaxprs, if any."""
+  for p in eqn.params.values():
+    for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+      sub = getattr(sub, "jaxpr", sub)
+      if hasattr(sub, "eqns"):
+        for e in sub.eqns:
+          found = parse_scope(name_stack(e)) or _inner_scope(e)
+          if found:
+            return found
+  return ()
+
+
+# Calls whose inner jaxpr takes the call's operands one to one and whose derivative is
+# the inner jaxpr's (not a custom rule, which may read a weight in another dtype).
+_PLAIN_CALLS = ("jit", "pjit", "closed_call", "remat2", "checkpoint")
+
+
+def _read_dtypes(eqns, uses: dict) -> None:
+  """Adds to `uses[v]`, for the variables `v` it holds, the dtype each equation reads
+  `v` as: the target of a `convert_element_type`, None for any other use; looks inside
+  jit and remat calls."""
+  for e in eqns:
+    read = [v for v in e.invars if not isinstance(v, Literal) and v in uses]
+    if not read:
+      continue
+    if e.primitive.name == "convert_element_type":
+      for v in read:
+        uses[v].add(jnp.dtype(e.params["new_dtype"]))
+      continue
+    inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    if e.primitive.name not in _PLAIN_CALLS or inner is None or len(inner.invars) != len(e.invars):
+      for v in read:
+        uses[v].add(None)
+      continue
+    sub = {iv: set() for v, iv in zip(e.invars, inner.invars)
+           if not isinstance(v, Literal) and v in uses}
+    _read_dtypes(inner.eqns, sub)
+    for iv in sub:
+      if iv in inner.outvars:  # returned as it is: read in full precision outside
+        sub[iv].add(None)
+    for v, iv in zip(e.invars, inner.invars):
+      if iv in sub:
+        uses[v] |= sub[iv]
+
+
+@dataclasses.dataclass
+class _Region:
+  eqns: list
+  tags: tuple
+  param_vars: list = dataclasses.field(default_factory=list)
+  batch_vars: list = dataclasses.field(default_factory=list)
+  act_vars: list = dataclasses.field(default_factory=list)
+  out_vars: list = dataclasses.field(default_factory=list)
+
+
+class TracedLoss:
+  """A loss jaxpr cut into regions, with a function that runs one region.
+
+  `spec` is the abstract `ModelSpec` the IR plans with; `run_region` evaluates
+  region `r` on (params, batch leaves, activations) in the order of its spec.
+  """
+
+  def __init__(self, loss_fn: Callable, params: Any, batch: Any):
+    aval = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    # Shapes only: holding the example arrays would keep a copy of the model alive.
+    self.param_leaves = [(path, aval(x)) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    self.param_tree = jax.tree_util.tree_structure(params)
+    batch_leaves, self.batch_tree = jax.tree_util.tree_flatten_with_path(batch)
+    self.batch_tree = jax.tree_util.tree_structure(batch)
+    p_names = [path_name(p) for p, _ in self.param_leaves]
+    b_names = [path_name(p) for p, _ in batch_leaves]
+    p_avals = [x for _, x in self.param_leaves]
+    b_avals = [aval(x) for _, x in batch_leaves]
+    if not b_avals or any(len(a.shape) == 0 for a in b_avals):
+      raise ValueError("the batch must be a pytree of arrays with a leading batch axis")
+    batch_size = b_avals[0].shape[0]
+    if any(a.shape[0] != batch_size for a in b_avals):
+      raise ValueError(f"batch leaves disagree on the batch size: {[a.shape for a in b_avals]}")
+    n_p = len(p_avals)
+    param_tree, batch_tree = self.param_tree, self.batch_tree
+
+    def flat_loss(*leaves):
+      p = jax.tree_util.tree_unflatten(param_tree, leaves[:n_p])
+      b = jax.tree_util.tree_unflatten(batch_tree, leaves[n_p:])
+      return loss_fn(p, b)
+
+    reset_counters()
+    closed = jax.make_jaxpr(flat_loss)(*p_avals, *b_avals)
+    jaxpr = closed.jaxpr
+    if len(jaxpr.outvars) != 1 or jaxpr.outvars[0].aval.shape != ():
+      raise ValueError("loss_fn(params, batch) must return one scalar (the mean loss)")
+    self.consts = dict(zip(jaxpr.constvars, closed.consts))
+    self.param_vars = list(jaxpr.invars[:n_p])
+    self.batch_vars = list(jaxpr.invars[n_p:])
+    self.loss_var = jaxpr.outvars[0]
+    self.regions = self._cut(jaxpr)
+    self.partition_names = _partition_names(params)
+    self.spec = self._spec(p_names, p_avals, b_names, b_avals, batch_size)
+
+  def _cut(self, jaxpr) -> list[_Region]:
+    for e in jaxpr.eqns:
+      inner = _inner_scope(e)
+      if inner:
+        raise ValueError(
+            f"pj.annotate({inner[0][0]!r}) is used inside a `{e.primitive.name}` (a jit, "
+            f"scan, remat or other transformed function), where regions cannot be cut; "
+            f"annotate at the top level of the loss, around the transformed call")
+    keys = [parse_scope(name_stack(e)) for e in jaxpr.eqns]
+    # Unannotated equations join the region before them (the first region if none).
+    first = next((k for k in keys if k), ())
+    filled, prev = [], first
+    for k in keys:
+      prev = k or prev
+      filled.append(prev)
+    regions: list[_Region] = []
+    for eqn, key in zip(jaxpr.eqns, filled):
+      if not regions or regions[-1].tags != key:
+        regions.append(_Region([], key))
+      regions[-1].eqns.append(eqn)
+    if not regions:
+      raise ValueError("loss_fn has no computation to distribute")
+    defined_in = {}
+    for i, r in enumerate(regions):
+      for e in r.eqns:
+        for v in e.outvars:
+          defined_in[v] = i
+    param_set = {v: i for i, v in enumerate(self.param_vars)}
+    batch_set = {v: i for i, v in enumerate(self.batch_vars)}
+    needed_later: dict[Var, set] = {}
+    for i, r in enumerate(regions):
+      seen = set()
+      for e in r.eqns:
+        for v in e.invars:
+          if isinstance(v, Literal) or v in seen or v in self.consts:
+            continue
+          if v in param_set:
+            r.param_vars.append(v)
+          elif v in batch_set:
+            r.batch_vars.append(v)
+          elif defined_in.get(v, i) != i:
+            r.act_vars.append(v)
+            needed_later.setdefault(v, set()).add(i)
+          seen.add(v)
+        seen.update(e.outvars)
+    if isinstance(self.loss_var, Literal) or self.loss_var not in defined_in:
+      raise ValueError("the loss does not depend on any computation of the model")
+    needed_later.setdefault(self.loss_var, set()).add(-1)
+    for i, r in enumerate(regions):
+      r.out_vars = [v for e in r.eqns for v in e.outvars if v in needed_later]
+    self.loss_region = defined_in[self.loss_var]
+    self.defined_in = defined_in
+    return regions
+
+  def _spec(self, p_names, p_avals, b_names, b_avals, batch_size) -> ModelSpec:
+    param_idx = {v: i for i, v in enumerate(self.param_vars)}
+    batch_idx = {v: i for i, v in enumerate(self.batch_vars)}
+    specs = []
+    for i, r in enumerate(self.regions):
+      inputs = []
+      for v in r.act_vars:
+        src = self.defined_in[v]
+        k = self.regions[src].out_vars.index(v)
+        inputs.append(ActivationRef(src, k, _spec(f"r{src}.out{k}", v.aval), _is_float(v.aval)))
+      outs = tuple(_spec(f"r{i}.out{k}", v.aval) for k, v in enumerate(r.out_vars))
+      specs.append(RegionSpec(
+          index=i, tags=r.tags, params=tuple(param_idx[v] for v in r.param_vars),
+          batch=tuple(batch_idx[v] for v in r.batch_vars), inputs=tuple(inputs), outputs=outs,
+          produces_loss=(i == self.loss_region), flops=sum(_eqn_flops(e) for e in r.eqns)))
+    return ModelSpec(
+        regions=tuple(specs),
+        params=tuple(_spec(n, a, names)
+                     for n, a, names in zip(p_names, p_avals, self.partition_names)),
+        batch=tuple(_spec(n, a) for n, a in zip(b_names, b_avals)),
+        batch_size=batch_size)
+
+  def run_region(self, r: int, params: list, batch: list, acts: list) -> list:
+    """Runs region `r`: inputs in the order of its spec; returns its outputs (loss included)."""
+    reg = self.regions[r]
+    env = dict(self.consts)
+    env.update(zip(reg.param_vars, params))
+    env.update(zip(reg.batch_vars, batch))
+    env.update(zip(reg.act_vars, acts))
+    eval_eqns(reg.eqns, env)
+    return [env[v] for v in reg.out_vars]
+
+  def param_casts(self) -> dict[int, str]:
+    """Parameters the loss only ever reads as one narrower float dtype, e.g. fp32 master
+    weights that every use casts to bf16: {parameter index: that dtype's name}.
+
+    Such a parameter may be cast once per step and read as `x.astype(bf16).astype(fp32)`
+    everywhere, which the model's own cast turns back into exactly `x.astype(bf16)`.
+    Reads inside jit and remat (`nn.remat`) calls count; a read inside any other
+    higher-order primitive (scan, while, custom_jvp/vjp) counts as a full-precision one.
+    """
+    uses: dict[Var, set] = {v: set() for v in self.param_vars}
+    for r in self.regions:
+      _read_dtypes(r.eqns, uses)
+    out = {}
+    for i, v in enumerate(self.param_vars):
+      dt = jnp.dtype(v.aval.dtype)
+      if len(uses[v]) == 1 and None not in uses[v]:
+        to = next(iter(uses[v]))
+        if (jnp.issubdtype(dt, jnp.floating) and jnp.issubdtype(to, jnp.floating)
+            and to.itemsize < dt.itemsize):
+          out[i] = to.name
+    return out
+
+  def check_params(self, leaves: list) -> None:
+    """Raises a ValueError naming the first parameter leaf whose shape or dtype is not
+    the traced one."""
+    for (path, want), x in zip(self.param_leaves, leaves):
+      check_leaf(f"params{jax.tree_util.keystr(path)}", x, want.dtype, want.shape,
+                 "the params given to pj.compile")
+
+  def loss_output(self) -> int:
+    """Which output of the loss region is the loss."""
+    return self.regions[self.loss_region].out_vars.index(self.loss_var)
+
+
+def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
+  """Traces `loss_fn(params, batch)` and cuts it into `pj.annotate` regions."""
+  return TracedLoss(loss_fn, params, batch)

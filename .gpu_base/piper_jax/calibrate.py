@@ -1,0 +1,201 @@
+"""`calibrate`: each region's forward and backward timed on one device, for the
+simulator and `strategies.search` (measured task costs instead of FLOP counts).
+
+A region's F is what a pipeline task runs (its traced vjp, keeping its residuals); its B
+takes F's residuals and the output cotangents to the parameter and input gradients, and
+its BI to the input cotangents alone (BW is the rest of B).
+Both are compiled alone with `jax.jit` at one microbatch's rows and timed; times scale
+linearly to other microbatch sizes (`RegionTimes.costs`). A JSON file (`cache`) keeps
+them per device kind, rows and region program, so a machine measures a model once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from piper_jax.lowering.local import RegionRunner
+from piper_jax.lowering.regions import (analyze_region, backward_input, full_residuals,
+                                        region_backward, region_forward, split_backward)
+from piper_jax.lowering.trace import trace_loss
+
+__all__ = ["RegionTimes", "calibrate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionTimes:
+  """Seconds of each region's F and B at `rows` rows of a microbatch on one device.
+
+  Attributes:
+    device_kind: the device they were measured on.
+    rows: the microbatch rows they were measured at.
+    forward, backward: region index -> seconds of its F and of its B.
+    backward_input: region index -> seconds of its BI (the input cotangents alone, as
+      zero-bubble schedules run it); its BW is the rest of B. Empty: half of B each.
+  """
+
+  device_kind: str
+  rows: int
+  forward: Mapping[int, float]
+  backward: Mapping[int, float]
+  backward_input: Mapping[int, float] = dataclasses.field(default_factory=dict)
+
+  def costs(self, rows: int, comm: float = 0.0) -> dict:
+    """`Plan.simulate` costs at `rows` rows per microbatch: {(region, pass): seconds},
+    scaled linearly from the measured rows, and "comm" (a message's latency)."""
+    scale = rows / self.rows
+    out: dict = {"comm": comm}
+    for r, t in self.forward.items():
+      out[(r, "F")] = t * scale
+    for r, t in self.backward.items():
+      out[(r, "B")] = t * scale
+      if r in self.backward_input:
+        bi = min(self.backward_input[r], t)
+        out[(r, "BI")], out[(r, "BW")] = bi * scale, (t - bi) * scale
+    return out
+
+
+def _rows_of(batch: Any, rows: int) -> Any:
+  """The batch's first `rows` rows, as shapes."""
+  def cut(x):
+    shape = tuple(np.shape(x))
+    if not shape or shape[0] < rows:
+      raise ValueError(f"calibrate: every batch leaf needs >= {rows} rows on its leading "
+                       f"axis, got shape {shape}; pass a smaller `rows` or a larger batch")
+    return jax.ShapeDtypeStruct((rows,) + shape[1:], jnp.result_type(x))
+  return jax.tree_util.tree_map(cut, batch)
+
+
+# Integers (token ids, labels) of a batch given as shapes are drawn below this bound:
+# in range for any vocabulary the test models use, and spread over enough rows that an
+# embedding's scatter-add gradient does not serialize on one row as all-zero ids would.
+_INT_BOUND = 256
+# Part of a cached timing's key: timings made otherwise (each call waited for, all-zero
+# ids) do not match.
+_METHOD = f"calls back to back; ints below {_INT_BOUND} or the batch's own"
+
+
+def _filled(avals, key, device, given: list | None = None) -> list:
+  """Arrays of `avals` on `device`: `given` arrays where there are any (a concrete
+  batch's rows), else small random floats, and small random integers where `given`
+  is a list (batch leaves) and zeros elsewhere (indices between regions, whose range
+  only the model knows)."""
+  out = []
+  for i, a in enumerate(avals):
+    if given is not None and given[i] is not None:
+      out.append(jax.device_put(jnp.asarray(given[i], a.dtype), device))
+    elif jnp.issubdtype(a.dtype, jnp.floating):
+      x = 0.02 * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.float32)
+      out.append(jax.device_put(x.astype(a.dtype), device))
+    elif given is not None and jnp.issubdtype(a.dtype, jnp.integer):
+      x = jax.random.randint(jax.random.fold_in(key, i), a.shape, 0, _INT_BOUND)
+      out.append(jax.device_put(x.astype(a.dtype), device))
+    else:
+      out.append(jax.device_put(jnp.zeros(a.shape, a.dtype), device))
+  return out
+
+
+def _batch_rows(example_batch: Any, rows: int) -> list:
+  """The batch's leaves cut to `rows` rows where they hold values, None for shapes."""
+  return [None if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(x)[:rows]
+          for x in jax.tree_util.tree_leaves(example_batch)]
+
+
+def _seconds(fn: Callable, args: tuple, repeats: int) -> float:
+  """Seconds per call of `fn(*args)` after one compiling call: the median of three
+  rounds of `repeats` calls dispatched back to back, as a step's tasks follow each
+  other on the device (waiting after each call would add the host's launch to it)."""
+  jax.block_until_ready(fn(*args))
+  rounds = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(repeats)]
+    jax.block_until_ready(outs)
+    rounds.append((time.perf_counter() - t0) / repeats)
+  return statistics.median(rounds)
+
+
+def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
+              device: Any = None, remat: bool = False, repeats: int = 5,
+              cache: str | os.PathLike | None = None) -> RegionTimes:
+  """Times every region's F and B of `loss_fn` at `rows` rows on one device.
+
+  Args:
+    loss_fn, params, example_batch: as `pj.compile` takes them (shapes are enough);
+      the batch's leading axis has at least `rows` rows. A batch with values is timed
+      on its first rows (token ids decide how an embedding's gradient scatters);
+      leaves given as shapes get small random values.
+    rows: rows of one microbatch per device (e.g. the global batch over data-parallel
+      replicas and microbatches).
+    device: where to time (default: the first device).
+    remat: time F and B as `pj.compile(remat=...)` runs them (pipelines use True).
+    repeats: timed calls per pass (the median counts).
+    cache: a JSON file of earlier measurements: regions found there (same device kind,
+      rows, remat and program) are not timed again; new ones are added.
+
+  Returns:
+    `RegionTimes`; `RegionTimes.costs(rows)` goes to `plan.simulate`, and
+    `CostModel(region_times=...)` to `strategies.search`.
+  """
+  if not isinstance(rows, int) or rows < 1:
+    raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+  device = device or jax.devices()[0]
+  traced = trace_loss(loss_fn, params, _rows_of(example_batch, rows))
+  batch_rows = _batch_rows(example_batch, rows)
+  runner = RegionRunner(traced)
+  known = {}
+  if cache and os.path.exists(cache):
+    with open(cache) as fh:
+      known = json.load(fh)
+  forward, backward, inputs_only = {}, {}, {}
+  key = jax.random.PRNGKey(0)
+  for spec in traced.spec.regions:
+    r = spec.index
+    ad = analyze_region(runner, r, remat)
+    name = hashlib.sha256(repr((device.device_kind, rows, remat, _METHOD, str(ad.jaxpr))
+                               ).encode()).hexdigest()
+    if name in known:
+      forward[r], backward[r], inputs_only[r] = known[name]
+      continue
+    p_avals, b_avals, a_avals = runner.avals(r)
+    outs = runner.out_avals(r)
+    ct_avals = [outs[k] for k in ad.float_outs]
+    split = split_backward(ad, ct_avals)
+    given = [None, [batch_rows[i] for i in spec.batch], None, None]
+    inputs = tuple(_filled(avals, jax.random.fold_in(key, n), device, given[n])
+                   for n, avals in enumerate((p_avals, b_avals, a_avals, ct_avals)))
+
+    def fwd(p, b, a):
+      return region_forward(ad, p, b, a)
+
+    def fwd_bwd(p, b, a, cts):
+      out, stored = region_forward(ad, p, b, a)
+      return region_backward(split, full_residuals(ad, stored, p, b, a, out), cts)
+
+    def fwd_bi(p, b, a, cts):
+      out, stored = region_forward(ad, p, b, a)
+      return backward_input(split, full_residuals(ad, stored, p, b, a, out), cts)
+
+    f = _seconds(jax.jit(fwd), inputs[:3], repeats)
+    fb = _seconds(jax.jit(fwd_bwd), inputs, repeats)
+    fbi = _seconds(jax.jit(fwd_bi), inputs, repeats)
+    # B is what F + B adds to F, BI what F + BI adds; a floor keeps a region whose
+    # backward fuses away positive.
+    forward[r], backward[r] = f, max(fb - f, 0.1 * f)
+    inputs_only[r] = min(max(fbi - f, 0.05 * f), backward[r])
+    known[name] = [forward[r], backward[r], inputs_only[r]]
+  if cache:
+    with open(cache, "w") as fh:
+      json.dump(known, fh, indent=1)
+  return RegionTimes(device.device_kind, rows, forward, backward, inputs_only)

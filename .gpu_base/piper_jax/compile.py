@@ -1,0 +1,572 @@
+"""`compile`: loss + optimizer + directives -> a jitted, partitioned `TrainStep`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from piper_jax.ir.directives import (Directive, Replicate, ShardTensor, Split,
+                                      load_directives)
+from piper_jax.ir.graph import Graph, NodeKind
+from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
+from piper_jax.ir.plan import Plan
+from piper_jax.lowering import compat
+from piper_jax.lowering.collectives import StepCollective, collectives_table, step_collectives
+from piper_jax.lowering.layout import ParamLayout
+from piper_jax.lowering.local import RegionRunner, SplitAxis
+from piper_jax.lowering.optimizer import packed_update_reason
+from piper_jax.lowering.options import LoweringOptions
+from piper_jax.lowering.program import Program
+from piper_jax.lowering.trace import check_leaf, trace_loss
+
+__all__ = ["CompiledMemory", "TrainState", "TrainStep", "compile", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """Bytes per device of the compiled step, by XLA's own accounting
+  (`jax.stages.Compiled.memory_analysis`): the state and batch it reads, what it
+  returns (the new state is written over the donated old one), and its temporaries."""
+
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+
+  @property
+  def total(self) -> int:
+    """The most bytes the step holds at once on a device, allocator slack aside."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+  @classmethod
+  def of(cls, compiled) -> "CompiledMemory":
+    """The counts of a `jax.stages.Compiled` (any jitted program, not only a step's)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+      raise NotImplementedError("XLA has no memory analysis on this platform")
+    return cls(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+               int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
+
+  def shortfall(self, stats: Sequence[Mapping[str, int]]) -> str | None:
+    """Why devices with these allocator stats (`Device.memory_stats()`, one per device)
+    cannot run the step once its state is on them, or None when each has room.
+
+    A run needs, beyond the state and batch it is given, its temporaries and the outputs
+    not written over the donated state."""
+    need = self.outputs - self.aliased + self.temporaries
+    for i, st in enumerate(stats):
+      limit, used = st.get("bytes_limit"), st.get("bytes_in_use", 0)
+      if limit and need > limit - used:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"
+        return (f"the step needs {gib(need)} per device beyond its state, but device {i} has "
+                f"{gib(limit - used)} free of its allocator's {gib(limit)} ({gib(used)} in use)")
+    return None
+
+
+@jax.tree_util.register_pytree_node_class
+class TrainState:
+  """Packed, partitioned parameters and the optimizer state over them.
+
+  A pytree of `jax.Array`s whose shards show the partitioning; it remembers the
+  `TrainStep` that made it (static, not a leaf) so that checkpoints can write the
+  canonical layout.
+  """
+
+  __slots__ = ("params", "opt_state", "owner")
+
+  def __init__(self, params: dict, opt_state: Any, owner: "TrainStep | None" = None):
+    self.params, self.opt_state, self.owner = params, opt_state, owner
+
+  def tree_flatten(self):
+    return (self.params, self.opt_state), self.owner
+
+  @classmethod
+  def tree_unflatten(cls, owner, children):
+    return cls(*children, owner)
+
+  def __iter__(self):
+    return iter((self.params, self.opt_state))
+
+  def __repr__(self):
+    return f"TrainState(params={self.params!r}, opt_state={self.opt_state!r})"
+
+
+def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
+  """Traces the loss at the microbatch size and plans it.
+
+  The microbatch size depends on the mesh and the microbatches, which placing the
+  traced model fixes (`place_graph`). The loss is traced first at the size the
+  directives suggest (`_guess_microbatch`), and again only when placing says otherwise:
+  tracing a large model is most of `pj.compile`'s own time.
+  """
+  leaves = jax.tree_util.tree_leaves(example_batch)
+  batch_size = int(np.shape(leaves[0])[0]) if leaves else 0
+  at = lambda n: jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((n,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
+      example_batch)
+  guess = _guess_microbatch(directives, batch_size)
+  if guess is not None and guess < batch_size:
+    traced = trace_loss(loss_fn, params, at(guess))
+    try:
+      plan = make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
+    except Exception:  # noqa: BLE001 - planned again below, where the error is raised
+      plan = None
+    if plan is not None and batch_size == guess * plan.mesh.n_data * plan.n_microbatches:
+      return traced, plan
+  traced = trace_loss(loss_fn, params, example_batch)
+  placed = place_graph(traced.spec, directives, n_devices)
+  mbs = batch_size // (placed.mesh.n_data * placed.n_microbatches)
+  if mbs == batch_size:
+    return traced, finish_plan(traced.spec, directives, placed)
+  full = traced
+  traced = trace_loss(loss_fn, params, at(mbs))
+  if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
+    raise ValueError("the model's regions depend on the batch size; annotate regions the "
+                     "same way for every batch size")
+  return traced, make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
+
+
+def _guess_microbatch(directives, batch_size: int) -> int | None:
+  """The microbatch size the directives suggest: the batch over the microbatches of
+  `split` and the data-parallel copies of the widest `replicate` (over its
+  `shard_tensor` group, whose devices share rows); None without microbatches."""
+  n_mb = math.prod(d.num_microbatches for d in directives if isinstance(d, Split))
+  copies = max([len(d.devices) for d in directives if isinstance(d, Replicate)] + [1])
+  tp = max([len(d.devices) for d in directives if isinstance(d, ShardTensor)] + [1])
+  ways = n_mb * max(copies // tp, 1)
+  if ways == 1 or batch_size % ways:
+    return None
+  return batch_size // ways
+
+
+def plan(loss_fn: Callable, directives, params: Any, example_batch: Any, n_devices: int) -> Plan:
+  """Builds and checks the plan of a strategy without devices (shapes are enough).
+
+  `params` and `example_batch` may be `jax.ShapeDtypeStruct` pytrees; nothing is
+  compiled or placed, so plans for thousands of devices can be checked and
+  simulated (`.simulate(costs)`, `.timeline(path)`) on one CPU.
+  """
+  return _traced_plan(loss_fn, load_directives(directives), params, example_batch, n_devices)[1]
+
+
+class TrainStep:
+  """A compiled training step. `init(params) -> state`, `step(state, batch) -> (state, loss)`."""
+
+  def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
+               directives: Sequence[Directive] | str, params: Any, example_batch: Any,
+               devices: Sequence[jax.Device] | None = None,
+               options: LoweringOptions | None = None):
+    self.devices = list(jax.devices() if devices is None else devices)
+    self.directives = load_directives(directives)
+    self.loss_fn, self.optimizer = loss_fn, optimizer
+    traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch, len(self.devices))
+    pm = plan.mesh
+    batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
+    self.plan: Plan = plan
+    self.batch_size = batch_size
+    self._traced = traced
+    split = {p: (d, pm.sharded[r]) for r, dims in pm.split_dims.items() for p, d in dims.items()}
+    options = options or LoweringOptions()
+    if options.remat is None:  # faster and smaller in every pipeline measured
+      options = dataclasses.replace(options, remat=pm.n_pp > 1)
+    if options.write_stores_after_switch is None:
+      options = dataclasses.replace(
+          options, write_stores_after_switch=self.devices[0].platform == "cpu")
+    self.options: LoweringOptions = options
+    casts = traced.param_casts() if options.cast_weights else {}
+    self._layout = layout = ParamLayout(traced.spec, plan, split, casts, options)
+    axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
+    runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
+    self._program = Program(runner, plan, layout, options,
+                            order_collectives=self.devices[0].platform == "cpu")
+    grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
+    self.mesh = Mesh(grid, pm.axis_names)
+    zero = pm.zero
+    # ZeRO-1/2 with bf16-read weights keep the fp32 masters sharded like the gradients
+    # (`layout.shards_masters`); ZeRO-3 shards them too.
+    sharded = zero >= 3 or layout.shards_masters
+    param_specs = layout.specs(sharded=sharded, split_sharded=sharded)
+    grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
+    n_batch = len(traced.spec.batch)
+    batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")
+    # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
+    body = compat.shard_map_unchecked(self._program.body, self.mesh,
+                      in_specs=(layout.specs(sharded, sharded, working=True), [batch_spec] * n_batch),
+                      out_specs=(layout.specs(zero >= 1, zero >= 1, working=True), P()))
+    to_sharding = lambda specs: jax.tree_util.tree_map(
+        lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    self._param_shardings = to_sharding(param_specs)
+    # The optimizer updates the packed buffers when it treats every element alike;
+    # otherwise (masks, per-leaf labels, factored or matrix updates) whole leaves.
+    param_shapes = jax.tree_util.tree_unflatten(traced.param_tree, [x for _, x in traced.param_leaves])
+    shapes = layout.shapes()
+    self.leaf_update: str | None = packed_update_reason(optimizer, param_shapes, shapes)
+    if self.leaf_update is None:
+      self._opt_shapes = jax.eval_shape(optimizer.init, shapes)
+      # Optimizer state leaves shaped like a parameter buffer are partitioned like
+      # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
+      opt_spec_of = {}
+      for s, spec in zip(jax.tree_util.tree_leaves(shapes),
+                         jax.tree_util.tree_leaves(grad_specs, is_leaf=lambda x: isinstance(x, P))):
+        opt_spec_of.setdefault(s.shape, spec)
+      opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()),
+                                         self._opt_shapes)
+    else:
+      # Whole leaves' state is spread over all the step's devices, leaf by leaf.
+      self._opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+      opt_specs = jax.tree_util.tree_map(lambda s: self._spread_spec(s.shape), self._opt_shapes)
+    self._opt_shardings = to_sharding(opt_specs)
+    self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
+    self._batch_sharding = NamedSharding(self.mesh, batch_spec)
+    replicated = NamedSharding(self.mesh, P())
+
+    def step_fn(state: TrainState, batch: list):
+      grads, loss = body(layout.to_working(state.params), batch)
+      grads = layout.from_working(grads)
+      if self.leaf_update is None:
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state, self), loss
+      spread = self._canonical_shardings()
+      as_tree = lambda buffers: jax.tree_util.tree_unflatten(traced.param_tree, [
+          jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(layout.unpack(buffers), spread)])
+      params = as_tree(state.params)
+      updates, opt_state = optimizer.update(as_tree(grads), state.opt_state, params)
+      params = optax.apply_updates(params, updates)
+      return TrainState(layout.pack(jax.tree_util.tree_leaves(params)), opt_state, self), loss
+
+    compiler_options = options.compiler_options
+    if compiler_options is None:
+      device = self.devices[0]
+      rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+      compiler_options = self._program.compiler_options("rocm" if rocm else device.platform)
+    self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
+                         out_shardings=(self._state_shardings, replicated), donate_argnums=0,
+                         compiler_options=dict(compiler_options) or None)
+    self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
+    self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
+    self._pack_opt = jax.jit(layout.pack, out_shardings=to_sharding(grad_specs))
+    self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
+    self._to_canonical = None
+    self._grad_specs = grad_specs
+    self._collectives: list[StepCollective] | None = None
+    self._compiled = None  # the step `memory` compiled, which calls then run
+
+  # -- public API ---------------------------------------------------------------
+
+  def init(self, params: Any) -> TrainState:
+    """Packs `params` into partitioned buffers and initialises the optimizer over them."""
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    if tree != self._traced.param_tree:
+      raise ValueError(f"params have structure {tree}, but the step was compiled for "
+                       f"{self._traced.param_tree}")
+    # Checked here: packing would fail inside JAX with no name, or cast silently.
+    self._traced.check_params(leaves)
+    leaves = self._onto_mesh(leaves)
+    buffers = self._pack(leaves)
+    if self.leaf_update is None:
+      return TrainState(buffers, self._opt_init(buffers), self)
+    return TrainState(buffers, self._opt_init(jax.tree_util.tree_unflatten(tree, leaves)), self)
+
+  def _onto_mesh(self, leaves: list) -> list:
+    """Leaves placed on other devices than the step's (say, on one device by
+    `jax.device_put`) are moved onto its mesh in the checkpoint layout first; jit would
+    reject them."""
+    if jax.process_count() > 1:
+      return leaves
+    mesh_devices = set(self.mesh.devices.flat)
+    return [jax.device_put(x, sh) if isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices
+            else x for x, sh in zip(leaves, self._canonical_shardings())]
+
+  def _batch_leaves(self, batch) -> list:
+    """Batch leaves as global arrays sharded as `batch_sharding`.
+
+    A global `jax.Array` sharded otherwise is resharded onto it: over the same devices
+    (any process count, or any devices in one process) by `jax.device_put`; over other
+    devices of several processes only when it is fully replicated (each process then
+    holds the whole batch), and else refused. With several processes, host data (or
+    a process-local array) is the rows this process's devices take: process p's
+    `batch_size / process_count` rows `[p*B/P, (p+1)*B/P)` when the data-parallel
+    replicas divide evenly over the processes, the whole batch when every process
+    holds a device of each replica (a pipeline across processes).
+    """
+    paths, tree = jax.tree_util.tree_flatten_with_path(batch)
+    if tree != self._traced.batch_tree:
+      raise ValueError(f"batch has structure {tree}, but the step was compiled for "
+                       f"{self._traced.batch_tree}")
+    n_proc = jax.process_count()
+    out = []
+    for (path, x), spec in zip(paths, self._traced.spec.batch):
+      name = f"batch{jax.tree_util.keystr(path)}"
+      check_leaf(name, x, spec.dtype, traced_from="the example batch's")
+      want = (self.batch_size,) + spec.shape[1:]
+      if isinstance(x, jax.Array) and (n_proc == 1 or not x.is_fully_addressable):
+        if tuple(x.shape) != want:
+          raise ValueError(f"{name} has shape {tuple(x.shape)}, but the step was compiled "
+                           f"for {want} (the example batch's)")
+        sharding = self._batch_sharding
+        if not x.sharding.is_equivalent_to(sharding, x.ndim):
+          if n_proc == 1 or x.sharding.device_set == sharding.device_set:
+            x = jax.device_put(x, sharding)
+          elif x.is_fully_replicated:
+            x = jax.make_array_from_process_local_data(
+                sharding, np.asarray(x.addressable_data(0)), want)
+          else:
+            raise ValueError(
+                f"{name} is a global jax.Array sharded as {x.sharding} over devices other "
+                f"than the step's, which JAX cannot reshard across processes: pass it "
+                f"sharded as `step.batch_sharding` ({sharding}), fully replicated, or as "
+                f"host data (the rows of this process's devices)")
+      elif n_proc > 1:
+        index = self._batch_sharding.addressable_devices_indices_map(want)
+        spans = sorted({sl[0].indices(want[0])[:2] for sl in index.values()})
+        local = (sum(b - a for a, b in spans),) + spec.shape[1:]
+        if tuple(np.shape(x)) != local:
+          runs = []  # adjacent spans merged: rows 0:8, not 0:2, 2:4, ...
+          for a, b in spans:
+            if runs and runs[-1][1] == a:
+              a = runs.pop()[0]
+            runs.append((a, b))
+          rows = ", ".join(f"{a}:{b}" for a, b in runs)
+          raise ValueError(f"{name} has shape {tuple(np.shape(x))}: with {n_proc} processes "
+                           f"pass the {local[0]} rows this process's devices take (rows "
+                           f"{rows} of the global batch), shape {local}, or a global "
+                           f"jax.Array of shape {want}")
+        x = jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(x), want)
+      elif tuple(np.shape(x)) != want:
+        raise ValueError(f"{name} has shape {tuple(np.shape(x))}, but the step was compiled "
+                         f"for {want} (the example batch's)")
+      out.append(x)
+    return out
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """The sharding of every batch leaf the step runs on (rows over the data-parallel
+    axes); a global `jax.Array` batch sharded so is passed as it is."""
+    return self._batch_sharding
+
+  def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
+    """One training step: returns the new state and the mean loss over the batch.
+
+    Raises:
+      MemoryError: on GPUs, before the first step, when a device has too little free
+        memory for it: a step over several GPUs that runs short can hang instead of
+        failing.
+    """
+    if self._compiled is None and len(self.devices) > 1 and self.devices[0].platform == "gpu":
+      local = [d for d in self.devices if d.process_index == jax.process_index()]
+      problem = self.memory().shortfall([d.memory_stats() or {} for d in local])
+      if problem:
+        raise MemoryError(
+            f"{problem}. Not started: free the arrays kept on the devices (parameters made "
+            f"whole on one device and then sharded, earlier states), lower the batch or use "
+            f"more microbatches, or let JAX's allocator take more of each device "
+            f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    return (self._compiled or self._step)(state, self._batch_leaves(batch))
+
+  @property
+  def tick_loop(self) -> bool:
+    """Whether the step runs as one loop over all its ticks (`LoweringOptions.tick_loop`;
+    by default for pipelines whose tasks run no collective) rather than per tick."""
+    return self._program.tick_loop is not None
+
+  @property
+  def rolled(self):
+    """In the per-tick program, the ticks run as one loop (`LoweringOptions.roll`, the
+    default): a `Window` with `start`, `stop`, `length` and `iters`, or None when the
+    step unrolls every tick or runs as one loop over all ticks (`tick_loop`)."""
+    return self._program.window
+
+  def collectives(self) -> list[StepCollective]:
+    """The collectives one step runs: read from the step's traced program (so they are
+    the ones the lowering emits, not the IR's plan of them), plus the resharding XLA
+    does outside it (ZeRO-1/2 parameters gathered after the update, whole-leaf
+    optimizers, spread slots). Traces the step once; the first call reuses the trace."""
+    if self._collectives is None:
+      sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+      params = jax.tree_util.tree_map(sds, self._layout.shapes(), self._param_shardings)
+      opt = jax.tree_util.tree_map(sds, self._opt_shapes, self._opt_shardings)
+      batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(s.shape[1:]), s.dtype,
+                                    sharding=self._batch_sharding)
+               for s in self._traced.spec.batch]
+      traced = self._step.trace(TrainState(params, opt, self), batch)
+      self._collectives = step_collectives(traced.jaxpr) + self._xla_resharding()
+    return list(self._collectives)
+
+  def _xla_resharding(self) -> list[StepCollective]:
+    """What XLA moves between the step's shard_map and the optimizer: per device, the
+    bytes of the arrays it reshards."""
+    layout, out = self._layout, []
+    shapes = jax.tree_util.tree_leaves(layout.shapes())
+    grads = jax.tree_util.tree_leaves(self._grad_specs, is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree_util.tree_leaves(self._param_shardings)
+    per_device = lambda s, spec: (int(np.prod(NamedSharding(self.mesh, spec).shard_shape(s.shape)))
+                                  * np.dtype(s.dtype).itemsize)
+    axes = tuple(self.mesh.axis_names)
+    gathered = sum(per_device(s, g) for s, g, p in zip(shapes, grads, params)
+                   if NamedSharding(self.mesh, g) != p)
+    if gathered and self.leaf_update is None:
+      out.append(StepCollective("all-gather (XLA)", self.plan.mesh.data_axes, gathered, 1,
+                                ("after the update",)))
+    if self.leaf_update is not None:
+      moved = sum(per_device(s, g) for s, g in zip(shapes, grads))
+      out.append(StepCollective("resharding (XLA)", axes, 2 * moved, 1,
+                                ("whole leaves for the optimizer and back",)))
+    if layout.spread:
+      moved = sum(layout.spread[k].size * np.dtype(k[1]).itemsize for k in layout.spread)
+      out.append(StepCollective("resharding (XLA)", axes, 2 * moved // layout.n_devices, 1,
+                                ("spread slots to their ranks and back",)))
+    return out
+
+  def describe(self) -> str:
+    """The plan, the lowering options that differ from the defaults, and the collectives
+    the compiled step runs (`collectives`)."""
+    changed = self.options.changed()
+    loop = self._program.tick_loop
+    lowered = (f"one loop over all ticks: {len(loop.table.kinds)} task kinds, "
+               f"{len(loop.table.stores)} value stores of {loop.table.store_bytes / 2**20:.1f} MiB "
+               f"on every device" if loop is not None else
+               "per tick" + (", steady state rolled" if self.rolled else ""))
+    return "\n".join([str(self.plan),
+                      f"lowering options: {changed or 'defaults'} (lowered {lowered})",
+                      "collectives the compiled step runs (per step; in a switch, summed "
+                      "over its branches, of which each device runs one):",
+                      collectives_table(self.collectives())])
+
+  def to_dot(self) -> str:
+    """Graphviz DOT of the plan with the communication the compiled step runs: the IR's
+    per-region gradient and parameter collectives give way to a table of the step's own
+    (`collectives`); pipeline sends and receives and expert all-to-alls stay."""
+    planned = (NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER)
+    g = self.plan.graph
+    keep = [n for n in g.nodes.values() if n.kind not in planned]
+    ids = {n.id for n in keep}
+    dot = Graph(keep, [e for e in g.edges if e.src in ids and e.dst in ids]).to_dot()
+    rows = collectives_table(self.collectives()).replace('"', "'").split("\n")
+    label = "collectives the compiled step runs\\l" + "".join(r + "\\l" for r in rows)
+    node = f'  "step collectives" [shape=note, fontname=monospace, label="{label}"];\n'
+    return dot[:dot.rindex("}")] + node + "}\n"
+
+  def check(self, params: Any, batch: Any, steps: int = 2, **kwargs):
+    """Runs this strategy and the plain computation from `params` and compares them:
+    losses, every leaf after `steps` steps and one plain-SGD step's gradients.
+
+    Returns a `piper_jax.check.CheckReport` (`print` it; `.passed`); `kwargs` go to
+    `piper_jax.check.check` (`reference`, `rtol`, `sgd`).
+    """
+    from piper_jax.check import check
+    kwargs.setdefault("compile_kwargs", {"options": self.options})
+    return check(self, params, batch, steps=steps, **kwargs)
+
+  def lower(self, state: TrainState, batch: Any):
+    """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""
+    return self._step.lower(state, self._batch_leaves(batch))
+
+  def memory(self) -> CompiledMemory:
+    """What the compiled step needs per device, from XLA's memory analysis of it.
+
+    Compiles the step on shapes (nothing is allocated); later calls run that program."""
+    if self._compiled is None:
+      abstract = lambda shapes, shardings: jax.tree_util.tree_map(
+          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+      params = abstract(self._layout.shapes(), self._param_shardings)
+      opt_state = abstract(self._opt_shapes, self._opt_shardings)
+      batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype,
+                                    sharding=self._batch_sharding)
+               for x in self._traced.spec.batch]
+      self._compiled = self._step.lower(TrainState(params, opt_state, self), batch).compile()
+    return CompiledMemory.of(self._compiled)
+
+  def params(self, state: TrainState) -> Any:
+    """The parameters as the user's original pytree, gathered."""
+    return jax.tree_util.tree_unflatten(self._traced.param_tree, self._unpack(state.params))
+
+  # -- the canonical layout (checkpoints) ---------------------------------------
+
+  def _canonical_shardings(self) -> list[NamedSharding]:
+    """Per parameter leaf: sharded over all the step's devices along its first dimension
+    that divides evenly (replicated when none does), so that each process holds and
+    writes only its part of a checkpoint."""
+    return [NamedSharding(self.mesh, self._spread_spec(np.shape(x)))
+            for _, x in self._traced.param_leaves]
+
+  def _spread_spec(self, shape: tuple) -> P:
+    """An array sharded over all the step's devices along its first dimension that
+    divides evenly, or replicated when none does."""
+    n = self.mesh.devices.size
+    axis = next((i for i, d in enumerate(shape) if d % n == 0), None)
+    return P() if axis is None else P(*([None] * axis + [tuple(self.mesh.axis_names)]))
+
+  def canonical(self, state: TrainState) -> dict:
+    """`{"params": ..., "opt_state": ...}` in the user's pytree layout, whatever the strategy.
+
+    Optimizer-state entries shaped like the parameter buffers (adam's mu, nu, ...)
+    become parameter pytrees; the rest (counts) stay as they are. Leaves are
+    sharded over the step's devices (see `_canonical_shardings`).
+    """
+    if self._to_canonical is None:
+      self._to_canonical = jax.jit(self._layout.unpack, out_shardings=self._canonical_shardings())
+    tree = lambda b: jax.tree_util.tree_unflatten(self._traced.param_tree, self._to_canonical(b))
+    opt = jax.tree_util.tree_map(lambda b: tree(b) if _is_buffers(b) else b,
+                                 state.opt_state, is_leaf=_is_buffers)
+    return {"params": tree(state.params), "opt_state": opt}
+
+  def from_canonical(self, tree: dict) -> TrainState:
+    """The inverse of `canonical`, partitioned for this step's strategy."""
+    outer = jax.tree_util.tree_structure(self._opt_shardings, is_leaf=_is_buffers)
+    parts = outer.flatten_up_to(tree["opt_state"])
+    shards = outer.flatten_up_to(self._opt_shardings)
+    # Copies (may_alias=False): the tree may hold a live state's arrays (`canonical` passes
+    # counts through), and a step donates its state.
+    opt = [self._pack_opt(self._onto_mesh(jax.tree_util.tree_leaves(x))) if _is_buffers(sh)
+           else jax.device_put(x, sh, may_alias=False) for x, sh in zip(parts, shards)]
+    leaves = jax.tree_util.tree_leaves(tree["params"])
+    return TrainState(self._pack(self._onto_mesh(leaves)), outer.unflatten(opt), self)
+
+  def canonical_shapes(self) -> dict:
+    """Shapes and dtypes of `canonical(state)` (replicated on this step's mesh), for restoring."""
+    replicated = NamedSharding(self.mesh, P())
+    sds = lambda x, sh: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=sh)
+    params = jax.tree_util.tree_unflatten(
+        self._traced.param_tree,
+        [sds(x, sh) for (_, x), sh in zip(self._traced.param_leaves, self._canonical_shardings())])
+    opt = jax.tree_util.tree_map(
+        lambda b, sh: params if _is_buffers(b) else sds(b, replicated if b.ndim == 0 else sh),
+        self._opt_shapes, self._opt_shardings, is_leaf=_is_buffers)
+    return {"params": params, "opt_state": opt}
+
+
+def _is_buffers(x) -> bool:
+  return isinstance(x, dict) and set(x) == {"slots", "shared", "split"}
+
+
+def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
+            params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None,
+            options: LoweringOptions | None = None, *, roll: bool | None = None,
+            remat: bool | None = None, compiler_options: dict | None = None) -> TrainStep:
+  """Compiles a training step of `loss_fn(params, batch)` under a directive list.
+
+  Args:
+    loss_fn: the mean loss over the batch's leading axis, with `pj.annotate` regions.
+    optimizer: any optax transformation (see `TrainStep.leaf_update`).
+    directives: a list of directives, Piper JSON dicts, or a path to a Piper JSON file.
+    params: the parameters (or their shapes) the step will train.
+    example_batch: a batch (or its shapes) with the global batch size.
+    devices: the devices directive indices refer to; default `jax.devices()`.
+    options: a `LoweringOptions`, every switch of how the plan is lowered; None takes
+      the defaults. None of them changes the numbers.
+    roll, remat, compiler_options: shorthands for the options of those names, which
+      they replace when given.
+
+  Returns:
+    A `TrainStep`.
+  """
+  given = {k: v for k, v in (("roll", roll), ("remat", remat),
+                             ("compiler_options", compiler_options)) if v is not None}
+  options = dataclasses.replace(options or LoweringOptions(), **given)
+  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, options)

@@ -1,0 +1,296 @@
+"""benchmarks/run.py --small runs the same code as the GPU benchmark, on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(600)
+def test_run_small(tmp_path):
+  out = tmp_path / "small.json"
+  variants = ["jit-dp", "pp-1f1b@z1"]  # shmap-dp: test_run_small_moe; dp@bN: below
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--pp", "2",
+       "--steps", "3", "--warmup", "1", "--variants", ",".join(variants), "--out", str(out)],
+      capture_output=True, text=True, timeout=580)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["variant"] for r in rows] == variants
+  for r in rows:
+    assert "error" not in r, r
+    assert r["tokens_per_s"] > 0 and r["loss"] == r["loss"]
+  # Same model, batches and optimizer steps: every strategy ends at the same loss.
+  losses = [r["loss"] for r in rows]
+  assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+  assert "| tiny | pp-1f1b@z1 |" in proc.stdout
+  # Pipelines on 2 ranks x DP 4 carry the simulator's prediction beside the measurement,
+  # and every row XLA's count of the memory its program needs.
+  assert all(r["sim_ms"] > 0 and r["devices"] == 8 for r in rows if r["variant"].startswith("pp-"))
+  assert all(r["xla_gib"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_run_small_moe():
+  # run.py's MoE steps, built in this process: plain shard_map DP (per-device routing)
+  # and 1F1B with the experts split (dp+ep and DualPipeV x EP: test_parallel). Dropless
+  # routing: the same loss under both.
+  import jax
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  losses = []
+  for variant in ("shmap-dp", "pp-1f1b+ep"):
+    call, state, batches, _, _ = run.make_step(variant, "moe-tiny", batch=16, microbatches=4)
+    state, loss = call(state, batches[0])
+    losses.append(float(loss))
+  assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+  assert jax.device_count() == 8
+
+
+def test_profile_summary(tmp_path):
+  # profile_step.summarize reads a Perfetto trace: busy time is the union of the first
+  # GPU's kernels, gaps are the idle stretches between them.
+  import gzip
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  from profile_step import summarize
+  meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 8, "args": {"name": "/device:GPU:1"}}]
+  kernels = [{"ph": "X", "pid": 7, "tid": 1, "ts": 0, "dur": 100, "name": "gemm_12"},
+             {"ph": "X", "pid": 7, "tid": 2, "ts": 50, "dur": 100, "name": "gemm_3"},
+             {"ph": "X", "pid": 7, "tid": 1, "ts": 400, "dur": 5, "name": "add_fusion"},
+             {"ph": "X", "pid": 8, "tid": 1, "ts": 0, "dur": 999, "name": "other_gpu"}]
+  path = tmp_path / "t.trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": meta + kernels}, f)
+  text = summarize(str(path))
+  assert "3 kernels over 0.4 ms: busy 0.2 ms (38%)" in text, text
+  assert "largest idle gaps (us): 250" in text
+  assert "gemm_#" in text and "other_gpu" not in text
+  assert "100.0 ms" not in text and "0.1 ms x1      gemm_12" in summarize(str(path), named=3)
+  assert "GPU:1 1 kernels over 1.0 ms" in summarize(str(path), gpu=1)
+  # tick_table cuts a GPU's timeline at its NCCL kernels (a pipeline's ticks end in one).
+  from profile_step import tick_table
+  ticks = kernels[:2] + [{"ph": "X", "pid": 7, "tid": 1, "ts": 300, "dur": 50,
+                          "name": "ncclDevKernel_SendRecv"}] + kernels[2:3]
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": meta + ticks}, f)
+  rows = tick_table(str(path), [0]).splitlines()
+  assert rows[1].split()[:5] == ["0.00", "0.15", "0.15", "0.05", "2"], rows
+  assert rows[2].split()[:2] == ["0.35", "0.01"], rows
+
+
+def test_baseline_of_each_variant():
+  sys.path.insert(0, ROOT)
+  from benchmarks.run import BASELINE_OF
+  assert BASELINE_OF("pp-1f1b@z3+balanced") == "jit-dp"
+  assert BASELINE_OF("zero3") == "gspmd-fsdp"
+  assert BASELINE_OF("zero1+bf16") == "jit-dp+bf16"  # pure bf16 against pure bf16
+  assert BASELINE_OF("jit-dp+bf16") == "jit-dp+bf16"
+  assert BASELINE_OF("dp+ep", "moe-1b") == "shmap-dp"  # routes per device, as piper does
+
+
+@pytest.mark.parametrize("variant,match", [("jit-dp+ep", "baselines take only \\+bf16"),
+                                           ("dp+fast", "unknown suffix"),
+                                           ("pp-1f1b+xla", "give --xla-flags"),
+                                           ("pp-zb+remat+noremat", "contradict")])
+def test_bad_variants_are_reported_before_running(variant, match):
+  sys.path.insert(0, ROOT)
+  from benchmarks.run import main
+  with pytest.raises(ValueError, match=match):
+    main(["--small", "--variants", variant])
+
+
+def test_stage_layers_suffix():
+  sys.path.insert(0, ROOT)
+  from benchmarks.run import build
+  config, _, _ = build("pp-1f1b+L5-3", "tiny", 2, 2)
+  assert config.stage_layers == (5, 3)
+  # Stages that do not divide the blocks evenly: 8 blocks over 3 ranks.
+  config, _, _ = build("pp-1f1b+L3-3-2", "tiny", 3, 3, pp=3)
+  assert config.n_stages == 3 and config.stage_layers == (3, 3, 2)
+  _, _, (dp,) = build("dp@b1", "tiny", 8, 1)  # DP with 1 MB gradient buckets
+  assert dp.bucket_mb == 1.0 and dp.zero == 0 and len(dp.devices) == 8
+  with pytest.raises(ValueError, match="summing to 8"):
+    build("pp-1f1b+L5-4", "tiny", 2, 2)
+
+
+@pytest.mark.timeout(120)
+def test_accumulated_baseline_matches_plain_dp():
+  # shmap-accum (4 microbatches over 2 ranks: 2 of 2 rows on each of 8 devices) trains
+  # as shmap-dp does: its accumulation gives the full batch's loss and gradients.
+  import jax
+  import numpy as np
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  assert jax.device_count() == 8
+  results = {}
+  for variant in ("shmap-dp", "shmap-accum"):
+    call, state, batches, _, _ = run.make_step(variant, "tiny", batch=32, microbatches=4)
+    state, loss = call(state, batches[0])
+    results[variant] = (float(loss), jax.tree_util.tree_leaves(state[0]))
+  (loss_dp, p_dp), (loss_acc, p_acc) = results["shmap-dp"], results["shmap-accum"]
+  np.testing.assert_allclose(loss_acc, loss_dp, rtol=1e-5)
+  for a, b in zip(p_acc, p_dp):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="shmap-accum splits each device's 32/8 rows"):
+    run.make_step("shmap-accum", "tiny", batch=32, microbatches=3)
+
+
+def test_qwen3_presets_in_run():
+  # run.py builds the Qwen3 presets: the MoE one's pipeline with its experts split
+  # (its numbers against one device are tests/test_qwen3.py's), the dense one trained.
+  import jax
+  import numpy as np
+  import piper_jax as pj
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  assert run.is_moe("qwen3-moe-tiny") and not run.is_moe("qwen3-tiny")
+  assert run.BASELINE_OF("pp-1f1b+ep", "qwen3-moe-tiny") == "shmap-dp"
+  config, net, directives = run.build("pp-1f1b+ep", "qwen3-moe-tiny", 8, 4, pp=2, seq_len=16)
+  assert config.seq_len == 16 and config.n_stages == 2 and type(net).__name__ == "Qwen3MoE"
+  assert any(isinstance(d, pj.Shard) for d in directives)
+  call, state, batches, config, _ = run.make_step("jit-dp", "qwen3-tiny", batch=8,
+                                                  microbatches=1, seq_len=16)
+  losses = []
+  for b in batches[:2]:
+    state, loss = call(state, b)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses)) and batches[0]["tokens"].shape == (8, 16)
+  # +ac checkpoints the blocks; the 8B shape's ratios fall back to GSPMD FSDP, which
+  # runs where jit DP does not fit.
+  config, _, _ = run.build("zero3+ac", "qwen3-tiny", 8, 1, seq_len=16)
+  assert config.remat and run.BASELINE_OF("zero1+ac", "qwen3-8b") == "jit-dp+ac"
+  fsdp = {"variant": "gspmd-fsdp+ac", "model": "qwen3-8b", "tokens_per_s": 1.0}
+  rows = {("qwen3-8b", "gspmd-fsdp+ac"): fsdp}
+  assert run.baseline_row(rows, "zero1+ac", "qwen3-8b") == ("gspmd-fsdp+ac", fsdp)
+  assert run.baseline_row(rows, "zero1", "qwen3-8b") == ("gspmd-fsdp", None)
+  with pytest.raises(ValueError, match=r"\+ac checkpoints the blocks of the Qwen3 models"):
+    run.build("dp+ac", "tiny", 8, 1)
+  # --layers: a preset's shapes with fewer blocks (the 8B on 2 GPUs); Qwen3 presets only.
+  config = run._config("qwen3-8b", 2, layers=8)
+  assert config.n_layers == 8 and config.d_model == 4096 and config.stage_bounds[1] == (4, 8)
+  with pytest.raises(ValueError, match="--layers sets the blocks of a Qwen3 preset"):
+    run._config("268m", 1, layers=8)
+
+
+@pytest.mark.timeout(200)
+def test_first_step_rows(tmp_path):
+  # first_step.py: a case that runs gives its times and XLA's count of its memory.
+  out = tmp_path / "f.json"
+  script = os.path.join(ROOT, "benchmarks", "first_step.py")
+  proc = subprocess.run(
+      [sys.executable, script, "--model", "qwen3-tiny", "--layers", "1", "--modes", "fwd",
+       "--steps", "2", "--out", str(out)],
+      capture_output=True, text=True, timeout=180, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (row,) = json.loads(out.read_text())
+  assert row["mode"] == "fwd" and row["layers"] == 1 and "error" not in row, row
+  assert row["step_ms"] > 0 and row["xla_gib"] > 0 and row["first_step_s"] >= row["first_call_s"]
+
+
+def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
+  import argparse
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  tried = []
+
+  def child(args, variant, model):
+    tried.append(args.batch)
+    if args.batch > 32:
+      return {"variant": variant, "model": model, "error": "out of memory"}
+    return {"variant": variant, "model": model, "step_ms": 1.0}
+
+  monkeypatch.setattr(run, "_child", child)
+  args = argparse.Namespace(batch=8, max_batch=256)
+  row = run._largest_batch(args, "zero3", "tiny")
+  assert tried == [8, 16, 32, 64] and row["max_batch"] == 32 and row["failed_batch"] == 64
+  assert "error" not in row
+  tried.clear()
+  row = run._largest_batch(argparse.Namespace(batch=8, max_batch=16), "zero3", "tiny")
+  assert tried == [8, 16] and row["max_batch"] == 16 and "failed_batch" not in row
+
+
+@pytest.mark.timeout(120)
+def test_a_child_past_its_timeout_gives_a_row(tmp_path):
+  # A variant that runs past --timeout ends as a row saying so; the call goes on.
+  out = tmp_path / "t.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--small", "--timeout", "1",
+       "--variants", "jit-dp", "--out", str(out)],
+      capture_output=True, text=True, timeout=100)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["variant"] == "jit-dp" and row["error"].startswith("timed out after 1 s"), row
+
+
+def test_plot_draws_the_tables(tmp_path):
+  # plot.py reads each machine's table: one bar per row with a ratio, baselines marked.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import plot
+  md = tmp_path / "R.md"
+  md.write_text(
+      "# R\n\n## 2 x H200\n\n"
+      "| call | model | variant | GPUs | batch / mb | step ms | vs baseline | peak GiB |\n"
+      "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+      "| 1 | 268M | jit-dp | 2 | 16 | 31.4 | 1.00x | 10.08 |\n"
+      "| 1 | 268M | **pp-1f1b** | 2 | 16 / 8 | 46.7 | **0.68x** | - |\n"
+      "| 1 | 268M | pp-zb | 2 | 16 / 8 | 50.0 | | 5.3 |\n\n## Not measured yet\n")
+  found = plot.bars(str(md))
+  assert [(b.panel, b.label, b.ratio, b.baseline, b.peak_gib) for b in found] == [
+      ("2 x H200, 268M", "1: jit-dp 16", 1.0, True, 10.08),
+      ("2 x H200, 268M", "1: pp-1f1b 16 / 8", 0.68, False, None)]
+  plot.draw(found, str(tmp_path / "r.png"))
+  assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_pick_names_run_variants_of_search_candidates():
+  # pick.py sets strategies.search's candidates beside run.py's rows of the same strategy.
+  import types
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import pick
+  c = lambda schedule, dp, zero, mb, ep="": types.SimpleNamespace(
+      schedule=schedule, dp=dp, zero=zero, n_microbatches=mb,
+      name=f"{schedule} x dp{dp} zero{zero}" + (f" ep{dp}" if ep else ""))
+  assert pick.variant_of(c("dp", 4, 1, 1)) == "zero1" and pick.variant_of(c("dp", 4, 0, 1)) == "dp"
+  assert pick.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
+  assert pick.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
+  assert pick.variant_of(c("dualpipev", 1, 0, 8)) == "pp-dualpipev"
+  # Expert parallel: run.py's +ep rows, which have no ZeRO without a pipeline.
+  assert pick.variant_of(c("dp", 4, 0, 1, ep=True)) == "dp+ep"
+  assert pick.variant_of(c("dp", 4, 1, 1, ep=True)) is None
+  assert pick.variant_of(c("1f1b", 2, 0, 4, ep=True)) == "pp-1f1b+ep"
+
+
+def test_results_meta_keeps_the_shape_arguments_a_script_has(tmp_path):
+  # torch_peer.py writes through run.py's write_results without run.py's --layers.
+  import argparse
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  out = tmp_path / "r.json"
+  args = argparse.Namespace(batch=8, microbatches=4, steps=3, pp=2, seq_len=4096, small=False,
+                            out=str(out))
+  run.write_results(args, [], "results_torch", torch="2.11")
+  meta = json.loads(out.read_text())["meta"]
+  assert meta["pp"] == 2 and meta["seq_len"] == 4096 and "layers" not in meta
+  assert meta["torch"] == "2.11"
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_rows_simulate_from_timed_regions(tmp_path):
+  # --calibrate: a pipeline row's prediction from its regions timed at the microbatch
+  # rows (here 32 / (4 replicas x 4 microbatches) = 2), cached for the next row.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  cache = tmp_path / "times.json"
+  _, _, _, _, sim = run.make_step("pp-1f1b", "tiny", batch=32, microbatches=4,
+                                  calibrate=str(cache))
+  assert sim["sim_timed_ms"] > 0 and cache.exists()
+  timed = json.load(open(cache))
+  assert timed and all(len(v) == 3 for v in timed.values())
+  rows = [{"model": "tiny", "variant": "pp-1f1b", "devices": 8, "step_ms": 3.0,
+           "tokens_per_s": 1.0, "compile_s": 1.0, **sim}]
+  assert f"| {sim['sim_timed_ms']:.1f} |" in run.table(rows)

@@ -1,0 +1,105 @@
+"""Measured region costs: every region's F and B timed on one device, cached, and used by
+the simulator and the planner in place of FLOP counts."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import piper_jax as pj
+from examples import gpt
+from piper_jax.ir.pipeline import make_plan
+from piper_jax.lowering.trace import trace_loss
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _tiny(n_stages=2):
+  config = gpt.get_config("tiny", n_stages=n_stages, n_layers=2 * n_stages)
+  net = gpt.GPT(config)
+  params = jax.eval_shape(lambda: gpt.init_params(net, jax.random.PRNGKey(0)))
+  batch = jax.eval_shape(lambda: gpt.random_batch(config, jax.random.PRNGKey(1), 8))
+  return gpt.loss_fn(net), params, batch
+
+
+def test_every_region_is_timed_and_the_cache_is_reused(tmp_path, monkeypatch):
+  loss, params, batch = _tiny()
+  cache = tmp_path / "times.json"
+  times = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=cache)
+  n_regions = len(trace_loss(loss, params, batch).spec.regions)
+  assert sorted(times.forward) == sorted(times.backward) == list(range(n_regions))
+  assert all(t > 0 for t in [*times.forward.values(), *times.backward.values()])
+  assert times.rows == 2 and times.costs(4)[(0, "F")] == pytest.approx(2 * times.forward[0])
+  costs = times.costs(2)  # zero-bubble schedules execute BI and BW apart: they sum to B
+  assert all(0 < costs[(r, "BI")] <= costs[(r, "B")] and
+             costs[(r, "BI")] + costs[(r, "BW")] == pytest.approx(costs[(r, "B")])
+             for r in range(n_regions))
+  # A second call finds every region in the cache and times nothing.
+  cal = sys.modules["piper_jax.calibrate"]  # the module (pj.calibrate is its function)
+  monkeypatch.setattr(cal, "_seconds", lambda *a: pytest.fail("timed a cached region"))
+  again = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=cache)
+  assert again == times
+  with pytest.raises(ValueError, match="needs >= 16 rows"):
+    pj.calibrate(loss, params, batch, rows=16)
+
+
+def test_regions_are_timed_on_the_batchs_own_token_ids(monkeypatch):
+  # Token ids decide how an embedding's gradient scatters (all-zero ids serialize it on
+  # one row): a batch with values is timed on its first rows, one given as shapes on
+  # ids spread over many rows.
+  loss, params, _ = _tiny()
+  config = gpt.get_config("tiny", n_stages=2, n_layers=4)
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8)
+  cal = sys.modules["piper_jax.calibrate"]
+  seen = []
+  monkeypatch.setattr(cal, "_seconds",
+                      lambda fn, args, repeats: seen.append(args[1]) or 1e-3)
+  pj.calibrate(loss, params, batch, rows=2, repeats=1)
+  first = jax.tree_util.tree_leaves(batch)
+  ints = [x for args in seen for x in args if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert ints and all(any(x.shape == y[:2].shape and bool((x == y[:2]).all()) for y in first)
+                      for x in ints)
+  seen.clear()
+  pj.calibrate(loss, params, jax.eval_shape(lambda: batch), rows=2, repeats=1)
+  ints = [x for args in seen for x in args if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert ints and all(len(set(np.asarray(x).ravel().tolist())) > 1 for x in ints)
+
+
+def test_simulate_takes_per_region_costs():
+  # Per-region costs equal for every region simulate as the per-pass costs do.
+  loss, params, batch = _tiny()
+  spec = trace_loss(loss, params, batch).spec
+  plan = make_plan(spec, pj.strategies.pipeline(2, 4, "1f1b"), 2)
+  n = len(spec.regions)
+  per_region = {**{(r, "F"): 1.0 for r in range(n)}, **{(r, "B"): 2.0 for r in range(n)}}
+  assert plan.simulate(per_region).makespan == plan.simulate({"F": 1, "B": 2}).makespan
+  with pytest.raises(ValueError, match="no 'B' time for region \\d"):
+    plan.simulate({(r, "F"): 1.0 for r in range(n)})
+
+
+def test_search_ranks_with_measured_times():
+  # A made-up measurement where stage 1 is ten times slower than stage 0: the planner
+  # sees that pipeline bubble grow, which FLOP counts of equal stages would not show.
+  loss, params, batch = _tiny()
+  n = len(trace_loss(loss, params, batch).spec.regions)
+  slow = pj.RegionTimes("cpu", 1, {r: (10.0 if r else 1.0) for r in range(n)},
+                        {r: (20.0 if r else 2.0) for r in range(n)})
+  tx = optax.sgd(0.1)
+  kw = dict(n_devices=2, memory_per_device=2**30, schedules=("1f1b",), microbatches=(4,))
+  measured = pj.strategies.search(loss, tx, params, batch,
+                                  costs=pj.strategies.CostModel(region_times=slow), **kw)
+  flops = pj.strategies.search(loss, tx, params, batch, **kw)
+  assert measured.best.bubble_fraction > flops.best.bubble_fraction + 0.2
+  assert measured.best.compute_time > 40.0  # seconds of the made-up regions
+
+
+def test_train_script_ranks_by_measured_times(tmp_path, capsys):
+  from examples import train
+  cache = tmp_path / "times.json"
+  out = train.main(["--strategy", "auto", "--stages", "2", "--steps", "1", "--batch", "16",
+                    "--data", "synthetic", "--calibrate", str(cache), "--quiet"])
+  assert cache.exists() and "chosen: " in capsys.readouterr().out
+  assert len(out["losses"]) == 1

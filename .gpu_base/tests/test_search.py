@@ -1,0 +1,321 @@
+"""`pj.strategies.search`: only strategies that fit, ranked by the simulator, and the
+chosen one trains to one device's numbers."""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import piper_jax as pj
+from examples import gpt
+from models import assert_same_run, reference_run
+from piper_jax.search import format_bytes
+
+MIB = 1 << 20
+
+
+def _setup(net, batch_size=16):
+  """(loss, params, batch) of an example model built from its config."""
+  params = gpt.init_params(net, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(net.config, jax.random.PRNGKey(1), batch_size)
+  return gpt.loss_fn(net), params, batch
+
+
+def _gpt(n_stages, batch_size=16):
+  return _setup(gpt.GPT(gpt.get_config("tiny", n_stages=n_stages)), batch_size)
+
+
+def _one_step_like_one_device(loss, tx, params, batch, directives, n_devices=None):
+  """One step of `directives` gives plain jax.value_and_grad + optax's loss and parameters."""
+  ref_losses, ref_params = reference_run(loss, params, [batch], tx)
+  devices = jax.devices()[:n_devices] if n_devices else None
+  step = pj.compile(loss, tx, directives, params, batch, devices=devices)
+  state, got = step(step.init(params), batch)
+  np.testing.assert_allclose(float(got), ref_losses[0], rtol=1e-5)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                              atol=1e-6),
+      step.params(state), ref_params)
+
+
+@pytest.mark.timeout(60)
+def test_only_strategies_that_fit():
+  loss, params, batch = _gpt(4)
+  tx = optax.adamw(1e-3)
+  free = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, top=100)
+  peaks = {(c.name, c.n_microbatches): c.peak_memory for c in free.candidates}
+  assert not free.rejected and len(peaks) == len(free.candidates)
+  names = {c.name for c in free.candidates}
+  # Data parallel, pipelines on the 4 regions and on 2 ranks of 2 regions each, every schedule.
+  assert {"dp8 zero0", "dp8 zero3", "1f1b pp4 x dp2 zero1", "1f1b pp2 [0-1 | 2-3] x dp4 zero1",
+          "zb pp2 [0-1 | 2-3] x dp4 zero3", "interleaved pp2 v2 x dp4 zero1",
+          "dualpipev pp2 v2 x dp4 zero0"} <= names
+  # A tight bound: below every data-parallel ZeRO-0 candidate, above the smallest ZeRO-3 one.
+  zero0 = min(p for (n, _), p in peaks.items() if n == "dp8 zero0")
+  zero3 = min(p for (n, _), p in peaks.items() if n == "dp8 zero3")
+  assert zero3 < zero0
+  bound = (zero0 + zero3) / 2
+  tight = pj.strategies.search(loss, tx, params, batch, 8, bound, top=100, headroom=1.0)
+  assert all(c.peak_memory <= bound for c in tight.candidates)
+  assert {c.name for c in tight.candidates} & {"dp8 zero3", "1f1b pp4 x dp2 zero1"}
+  assert "dp8 zero0" not in {c.name for c in tight.candidates}
+  rejected = {(r.name, r.n_microbatches): r for r in tight.rejected}
+  for m in (1, 2):
+    r = rejected[("dp8 zero0", m)]
+    assert r.reason == (f"needs {format_bytes(peaks[('dp8 zero0', m)])} of "
+                        f"{format_bytes(bound)}")
+    assert r.peak_memory > bound
+  assert len(tight.candidates) + len(tight.rejected) == len(free.candidates)
+  table = tight.table(top=3).splitlines()
+  assert table[0].startswith("| strategy | microbatches | simulated step") and len(table) == 5
+  times = [c.step_time for c in tight.candidates]
+  assert times == sorted(times)
+
+
+@pytest.mark.timeout(60)
+def test_best_trains_like_one_device():
+  # Plain SGD, so that a wrongly scaled gradient shows in the updated parameters.
+  loss, params, batch = _gpt(4)
+  tx = optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, top=100)
+  best = result.best  # a grouped pipeline: test_grouped_regions_train_like_one_device
+  _one_step_like_one_device(loss, tx, params, batch, best.directives, best.n_ranks * best.dp)
+
+
+@pytest.mark.timeout(60)
+def test_timelines_of_the_top_candidates(tmp_path):
+  loss, params, batch = _gpt(2)
+  result = pj.strategies.search(loss, optax.sgd(0.1), params, batch, 2, 1 << 40,
+                                schedules=("1f1b", "gpipe"), microbatches=(2, 4))
+  paths = result.timelines(str(tmp_path), top=2)
+  assert len(paths) == 2 and paths[0].endswith(".svg")
+  assert all("<svg" in open(p).read() for p in paths) and paths[0] != paths[1]
+  assert result.candidates[0].name.replace(" ", "_") in paths[0]
+
+
+@pytest.mark.timeout(30)
+def test_more_microbatches_of_1f1b_rank_above_gpipe_with_2():
+  # No tick overhead: FLOPs alone, where 2 microbatches on 2 ranks leave a third idle.
+  loss, params, batch = _gpt(2)
+  costs = pj.strategies.CostModel(tick_overhead_s=0.0)
+  result = pj.strategies.search(loss, optax.sgd(0.1), params, batch, 2, 1 << 40,
+                                schedules=("gpipe", "1f1b"), microbatches=(2, 8), costs=costs)
+  rank = {(c.schedule, c.n_microbatches): i for i, c in enumerate(result.candidates)}
+  by = {(c.schedule, c.n_microbatches): c for c in result.candidates}
+  assert rank[("1f1b", 8)] < rank[("gpipe", 2)]
+  assert by[("gpipe", 2)].bubble_fraction > 2 * by[("1f1b", 8)].bubble_fraction
+  assert by[("gpipe", 2)].compute_time > by[("1f1b", 8)].compute_time
+  # 1F1B keeps fewer microbatches alive than GPipe at the same count.
+  assert by[("1f1b", 8)].memory.activations < by[("gpipe", 8)].memory.activations
+
+
+@pytest.mark.timeout(90)
+def test_grouped_regions_train_like_one_device(batches_of):
+  # Two PP regions per rank (placed one by one, orders widened to the rank's regions):
+  # k AdamW steps and a plain-SGD step give one device's numbers.
+  config = gpt.get_config("tiny", n_stages=4)
+  loss, params, batch = _setup(gpt.GPT(config))
+  batches_of(config)
+  result = pj.strategies.search(loss, optax.adamw(1e-3), params, batch, 4, 1 << 40,
+                                schedules=("1f1b",), zero_stages=(1,), microbatches=(4,))
+  grouped = next(c for c in result.candidates if c.stages == ((0, 1), (2, 3)))
+  assert_same_run(loss, params, grouped.directives, devices=jax.devices()[:4])
+
+
+@pytest.mark.timeout(30)
+def test_bad_input_says_what_to_change():
+  loss, params, batch = _gpt(2)
+  tx = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="n_devices must be an int >= 1, got 0"):
+    pj.strategies.search(loss, tx, params, batch, 0, 1 << 30)
+  with pytest.raises(ValueError, match="memory_per_device must be > 0 bytes"):
+    pj.strategies.search(loss, tx, params, batch, 8, 0)
+  with pytest.raises(ValueError, match=r"headroom must be in \(0, 1\], got 1.5"):
+    pj.strategies.search(loss, tx, params, batch, 8, 1 << 30, headroom=1.5)
+  with pytest.raises(ValueError, match="schedules must be a non-empty list"):
+    pj.strategies.search(loss, tx, params, batch, 8, 1 << 30, schedules=("pp",))
+  one, one_params, one_batch = _gpt(1)
+  with pytest.raises(ValueError, match="annotate the model's stages with pj.annotate\\('PP'\\) "
+                                       "or add 'dp' to schedules"):
+    pj.strategies.search(one, tx, one_params, one_batch, 8, 1 << 30, schedules=("1f1b", "zb"))
+  with pytest.raises(ValueError, match=r"no strategy fits 768 B per device \(75% of 1.0 KiB\).*give more memory"):
+    pj.strategies.search(loss, tx, params, batch, 8, 1024)
+
+
+@pytest.mark.timeout(60)
+def test_train_script_auto(capsys):
+  from examples import train
+  with pytest.raises(train.UsageError, match="drop --dp and --zero"):
+    train.build_strategy(train.parse_args(["--strategy", "auto", "--dp", "2"]), 8)
+  # The script prints the table, compiles the fastest that fits by XLA's count, trains it.
+  out = train.main(["--strategy", "auto", "--stages", "2", "--steps", "2", "--batch", "16",
+                    "--data", "synthetic", "--memory-gib", str(5 / 1024), "--quiet"])
+  printed = capsys.readouterr().out
+  assert "| strategy | microbatches | simulated step | bubble | peak memory |" in printed
+  chosen = printed.split("chosen: ")[1].splitlines()[0]
+  need = float(re.search(r"compiled, it needs ([0-9.e-]+) GiB per device", chosen).group(1))
+  assert 0 < need <= 0.95 * 5 / 1024
+  assert np.isfinite(out["losses"]).all()
+
+
+@pytest.mark.timeout(90)
+def test_compile_best_checks_xla_memory():
+  # The estimates leave XLA's temporaries out; compile_best reads the compiled program's
+  # own memory analysis and refuses a candidate over the bound, naming its bytes (the
+  # chosen one trains in test_train_script_auto).
+  import dataclasses
+  loss, params, batch = _gpt(2)
+  tx = optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 2, 1 << 30, schedules=("1f1b",),
+                                zero_stages=(1,), microbatches=(2,))
+  best = result.candidates[0]
+  tight = dataclasses.replace(result, memory_per_device=best.peak_memory / 0.95)
+  with pytest.raises(ValueError, match=r"none of the 1 fastest strategies compiles within .* "
+                                       r"by XLA's count: " + re.escape(best.name) +
+                                       r" \(\d+ microbatches\): [\d.]+ [KMG]?i?B, estimated"):
+    tight.compile_best(loss, tx, params, batch, tries=1)
+
+
+@pytest.mark.timeout(60)
+def test_estimate_divides_state_by_zero_stage():
+  # One strategy's estimate: ZeRO-1 halves the optimizer state of 2 replicas, ZeRO-3 also
+  # the parameters and gradients (plus the gathered weights of one region).
+  loss, params, batch = _gpt(2)
+  tx = optax.adamw(1e-3)
+  est = {z: pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(2, zero=z), 2)
+         for z in (0, 1, 3)}
+  m0, m1, m3 = (est[z].memory for z in (0, 1, 3))
+  assert m1.optimizer == pytest.approx(m0.optimizer / 2, rel=1e-6) and m1.params == m0.params
+  assert m3.grads == pytest.approx(m0.grads / 2, rel=1e-6)
+  assert m0.params / 2 < m3.params <= m0.params / 2 + m0.params  # its shard + one gathered region
+  assert m0.activations == m1.activations > 0 and est[0].step_time > 0
+  pipe = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
+  assert pipe.bubble_fraction > 0 and pipe.memory.params < m0.params
+  # One backward frees activations as it makes gradients: without accumulation the peak
+  # holds the larger of the two; accumulating over microbatches or a pipeline, both.
+  assert not m0.grads_with_activations
+  assert m0.total == m0.params + m0.optimizer + max(m0.grads, m0.activations)
+  acc = pj.strategies.estimate(loss, tx, params, batch,
+                               [pj.split(2)] + pj.strategies.data_parallel(2), 2).memory
+  assert acc.grads_with_activations and acc.total == sum(
+      (acc.params, acc.grads, acc.optimizer, acc.activations, acc.weight_copies, acc.working))
+  assert pipe.memory.grads_with_activations and pipe.memory.weight_copies == 0  # fp32 reads
+  # Under remat (a pipeline's default) a backward first recomputes what its forward dropped.
+  assert pipe.memory.working > 0
+
+
+@pytest.mark.timeout(60)
+def test_cast_weights_count_once_in_pipelines():
+  # A bf16-compute model with fp32 masters: a pipeline keeps each weight's bf16 copy for
+  # the step (half its bytes), and ZeRO-3 gathers weights in bf16.
+  import jax.numpy as jnp
+  loss, params, batch = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2, dtype=jnp.bfloat16)), 16)
+  tx = optax.sgd(1e-3)
+  pipe = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
+  m = pipe.memory
+  assert 0 < m.weight_copies <= m.params / 2 + 1
+  fp32 = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2)), 16)
+  gathered = []
+  for loss, params, batch in (fp32, (loss, params, batch)):
+    z3, z0 = (pj.strategies.estimate(loss, tx, params, batch,
+                                     pj.strategies.data_parallel(2, zero=z), 2).memory
+              for z in (3, 0))
+    gathered.append(z3.params - z0.params / 2)  # beside its shard, the largest region
+  assert gathered[1] == pytest.approx(gathered[0] / 2, rel=0.01)
+
+
+@pytest.mark.timeout(90)
+def test_experts_split_over_the_data_parallel_devices():
+  # A MoE model: the search adds candidates with the experts split ("ep"), whose expert
+  # weights count once over the group; the chosen one trains as one device does.
+  from examples import moe
+  loss, params, batch = _setup(moe.MoEGPT(moe.get_config("tiny", n_stages=2, n_layers=4,
+                                                        n_experts=8)))
+  tx = optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, schedules=("dp", "1f1b"),
+                                zero_stages=(1,), microbatches=(2,), top=100)
+  by = {c.name: c for c in result.candidates}
+  split, whole = by["1f1b pp2 x dp4 zero1 ep4"], by["1f1b pp2 x dp4 zero1"]
+  # Split experts are not all-reduced over the replicas: less data-parallel traffic than
+  # their all-to-alls add, on this model.
+  assert split.memory.params < whole.memory.params and 0 < split.comm_time < whole.comm_time
+  assert any(c.name == "dp8 zero1 ep8" for c in result.candidates)
+  only = pj.strategies.search(loss, tx, params, batch, 8, 1 << 40, schedules=("1f1b",),
+                              zero_stages=(1,), microbatches=(2,), expert_parallel=True)
+  assert all(c.name.endswith(" ep4") for c in only.candidates)
+  _one_step_like_one_device(loss, tx, params, batch, split.directives)
+
+
+@pytest.mark.timeout(90)
+def test_tensor_parallel_groups_split_the_named_weights():
+  # A GPT with Megatron partitioning names: candidates with TP groups hold half of every
+  # split weight; a chosen TP x DP candidate trains as one device does (plain SGD).
+  loss, params, batch = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2, tp_axis="tp")))
+  tx = optax.sgd(0.1)
+  result = pj.strategies.search(loss, tx, params, batch, 4, 1 << 40, schedules=("dp", "1f1b"),
+                                zero_stages=(1,), microbatches=(2,), top=100)
+  by = {c.name: c for c in result.candidates}
+  split, whole = by["dp4 zero1 tp2"], by["dp4 zero1"]
+  assert split.memory.params < whole.memory.params and "1f1b pp2 x dp2 zero1 tp2" in by
+  only = pj.strategies.search(loss, tx, params, batch, 4, 1 << 40, schedules=("dp",),
+                              zero_stages=(1,), microbatches=(2,), tensor_parallel=True)
+  assert all(" tp" in c.name for c in only.candidates)
+  for cand in (split, by["1f1b pp2 x dp2 zero1 tp2"]):
+    _one_step_like_one_device(loss, tx, params, batch, cand.directives, 4)
+
+
+@pytest.mark.timeout(60)
+def test_one_loop_holds_the_largest_ranks_activations_on_every_device():
+  # The loop is one program for every rank: each device allocates the stores of the
+  # rank that keeps the most. Here the first rank keeps the activations (wide, and
+  # 1F1B holds two microbatches there) and the last one the parameters.
+  import jax.numpy as jnp
+
+  def loss(params, batch):
+    with pj.annotate("PP"):
+      x = jnp.tanh(batch["x"] @ params["wide"]) @ params["narrow"]
+    with pj.annotate("PP"):
+      x = x * jnp.mean(params["big"])
+    return jnp.mean((x - batch["y"]) ** 2)
+
+  k = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"wide": jax.random.normal(k[0], (8, 2048)), "narrow": jax.random.normal(k[1], (2048, 8)),
+            "big": jnp.ones((1 << 20,))}
+  batch = {"x": jax.random.normal(k[2], (64, 8)), "y": jax.random.normal(k[3], (64, 8))}
+  tx = optax.sgd(1e-3)
+  directives = pj.strategies.pipeline(2, 4, "1f1b")
+  loop = pj.strategies.estimate(loss, tx, params, batch, directives, 2).memory
+  tick = pj.strategies.estimate(loss, tx, params, batch, directives, 2,
+                                options=pj.LoweringOptions(tick_loop=False)).memory
+  # Both peak on the last rank (its parameters); with the loop it also holds the
+  # first rank's activations.
+  assert tick.params == loop.params == 4 << 20
+  assert loop.activations > 4 * tick.activations and loop.total > tick.total
+
+
+@pytest.mark.timeout(90)
+def test_distributed_optimizer_shards_the_masters_and_gathers_the_bf16_copy():
+  # ZeRO-1 over 4 replicas of a bf16-compute model: the fp32 parameters are sharded like
+  # the optimizer state and the bf16 copy is whole, as the compiled step holds them.
+  import jax.numpy as jnp
+  loss, params, batch = _setup(gpt.GPT(gpt.get_config("tiny", n_stages=2, dtype=jnp.bfloat16)), 16)
+  tx = optax.adam(1e-3)
+  directives = pj.strategies.data_parallel(4, zero=1)
+  m = pj.strategies.estimate(loss, tx, params, batch, directives, 4).memory
+  plain = pj.strategies.estimate(loss, tx, params, batch, directives, 4,
+                                 options=pj.LoweringOptions(shard_masters=False)).memory
+  uncast = pj.strategies.estimate(loss, tx, params, batch, directives, 4,
+                                  options=pj.LoweringOptions(cast_weights=False)).memory
+  fp32 = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  for other in (plain, uncast):  # no bf16 copy to gather: the fp32 parameters stay whole
+    assert other.params == pytest.approx(fp32, rel=1e-6) and other.weight_copies == 0
+  assert m.params == pytest.approx(fp32 / 4, rel=1e-6)
+  assert fp32 / 2 * 0.9 < m.weight_copies <= fp32 / 2  # the leaves read in bf16
+  # The step's state on a device is its shard of the fp32 parameters and of adam's moments.
+  step = pj.compile(loss, tx, directives, params, batch, devices=jax.devices()[:4])
+  state = step.init(params)
+  held = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state)
+             for s in x.addressable_shards if s.device == jax.devices()[0])
+  assert held == pytest.approx(m.params + m.optimizer, rel=0.05)

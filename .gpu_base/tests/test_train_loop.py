@@ -1,0 +1,67 @@
+"""The example's training loop: checkpoints, resume (also under another strategy), NaN stop."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from examples import train
+
+pytestmark = pytest.mark.timeout(300)
+
+PP = ["--strategy", "pp-1f1b", "--stages", "2", "--dp", "2", "--zero", "1", "--microbatches", "2",
+      "--batch", "8", "--quiet"]
+
+
+def test_resume_after_kill_gives_the_same_losses(tmp_path):
+  # --check: the loop's strategy against one device first (k steps and a plain-SGD step).
+  full = train.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "a"), "--check",
+                          "--ckpt-every", "2", "--metrics", str(tmp_path / "m.jsonl")])
+  rows = [json.loads(l) for l in open(tmp_path / "m.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  # A run stopped after step 2, then resumed: on the same strategy, and on ZeRO-3 over 8.
+  train.main(PP + ["--steps", "2", "--ckpt-dir", str(tmp_path / "b"), "--ckpt-every", "1"])
+  shutil.copytree(tmp_path / "b", tmp_path / "c")
+  same = train.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+  np.testing.assert_allclose(same["losses"], full["losses"][2:], rtol=1e-5)
+  other = train.main(["--strategy", "zero3", "--batch", "8", "--quiet", "--steps", "4",
+                      "--ckpt-dir", str(tmp_path / "c"), "--resume"])
+  np.testing.assert_allclose(other["losses"], full["losses"][2:], rtol=1e-5)
+  # Step 4's checkpoint exists in "a"; resuming at 4 of 3 runs nothing.
+  again = train.main(PP + ["--steps", "3", "--ckpt-dir", str(tmp_path / "a"), "--resume"])
+  assert again["losses"] == []
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+  with pytest.raises(train.TrainingDiverged, match="Last good checkpoint: step"):
+    train.main(PP + ["--steps", "30", "--lr", "1e30", "--ckpt-dir", str(tmp_path / "d"),
+                         "--ckpt-every", "1"])
+
+
+@pytest.mark.parametrize("argv,n_devices,match", [
+    (["--strategy", "dp", "--ep"], 8, "add --experts"),
+    (["--strategy", "pp-1f1b", "--stages", "2", "--dp", "4", "--experts", "6", "--ep",
+      "--batch", "16"], 8, "must divide over the data-parallel devices"),
+    (["--strategy", "pp-1f1b", "--stages", "4", "--dp", "4"], 8, "needs 16 devices"),
+    (["--strategy", "pp-dualpipev", "--stages", "3"], 8, "even --stages"),
+    (["--strategy", "dp", "--batch", "12"], 8, "divisible by the 8 devices"),
+    (["--strategy", "dp", "--calibrate", "t.json"], 8, "add --strategy auto"),
+])
+def test_usage_errors(argv, n_devices, match):
+  with pytest.raises(train.UsageError, match=match):
+    train.build_strategy(train.parse_args(argv), n_devices)
+
+
+def test_log_every_must_be_positive():
+  with pytest.raises(train.UsageError, match="--log-every must be >= 1, got 0"):
+    train.main(["--strategy", "dp", "--log-every", "0", "--quiet"])
+
+
+def test_two_stages_per_device_count_devices_right():
+  # DualPipeV and interleaved hold two stages per device: 4 stages x DP 2 use 4 devices.
+  args = train.parse_args(["--strategy", "pp-dualpipev", "--stages", "4", "--dp", "2",
+                               "--microbatches", "4", "--batch", "8", "--experts", "4", "--ep"])
+  directives, n_used, n_stages = train.build_strategy(args, 4)
+  assert (n_used, n_stages) == (4, 4)
+  assert directives[-1].devices == (0, 1, 2, 3)
