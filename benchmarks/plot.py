@@ -1,7 +1,7 @@
 """Draws the tables of benchmarks/RESULTS.md as one picture.
 
   python benchmarks/plot.py                      # RESULTS.md -> benchmarks/results.png
-  python benchmarks/plot.py --machine "2 x H200" --out benchmarks/results_2xh200.png
+  python benchmarks/plot.py --machine "4 x H200" --out benchmarks/results_4xh200.png
 
 One panel per machine and model: each table row as a bar, its tokens/s over the
 baseline of the same call (the table's "vs baseline": jit DP, GSPMD FSDP for ZeRO-3,
