@@ -2,7 +2,7 @@
 
   python benchmarks/predict.py benchmarks/raw/2026-11-27_h200x2_1.3b_dp_zero.json
 
-For each piper-jax row of a file (dense models; sharded experts are not estimated),
+For each piper-jax row of a file,
 `pj.strategies.estimate` of the same directives on the row's devices, from shapes:
 peak memory per device against the measured `peak_gib`, and the step time against the
 measured one, with matmuls at the FLOP/s the same call's `jit-dp` row (else its
@@ -60,7 +60,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
   out = []
   for r in ok:
     variant = r["variant"]
-    if variant.split("+")[0].split("@")[0] in run.BASELINES or "ep" in variant:
+    if variant.split("+")[0].split("@")[0] in run.BASELINES:
       continue
     n, model = r["devices"], r["model"]
     pp = r.get("pp", meta.get("pp", 2))
