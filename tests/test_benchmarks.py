@@ -307,3 +307,24 @@ def test_pipeline_rows_simulate_from_timed_regions(tmp_path):
   rows = [{"model": "tiny", "variant": "pp-1f1b", "devices": 8, "step_ms": 3.0,
            "tokens_per_s": 1.0, "compile_s": 1.0, **sim}]
   assert f"| {sim['sim_timed_ms']:.1f} |" in run.table(rows)
+
+
+@pytest.mark.timeout(300)
+def test_predict_estimates_expert_parallel_rows(tmp_path):
+  # predict.py sets the planner's estimate beside each piper-jax row of a raw file, the
+  # experts split over devices included, with matmuls at the FLOP/s of the call's baseline.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import predict
+  row = lambda variant, ms, gib: {"variant": variant, "model": "qwen3-moe-tiny", "devices": 4,
+                                  "device_kind": "NVIDIA H200", "step_ms": ms, "peak_gib": gib,
+                                  "mfu": 0.2, "attention": "xla"}
+  raw = tmp_path / "moe.json"
+  raw.write_text(json.dumps({"meta": {"batch": 8, "microbatches": 4, "pp": 2},
+                             "rows": [row("shmap-dp", 2.0, 0.1), row("dp+ep", 1.5, 0.05),
+                                      row("pp-1f1b+ep", 3.0, 0.05)]}))
+  out = {p["variant"]: p for p in predict.predict(str(raw), 300e9)}
+  assert sorted(out) == ["dp+ep", "pp-1f1b+ep"]  # the baseline is what the others are against
+  for p in out.values():
+    assert p["predicted_gib"] > 0 and p["predicted_ms"] > 0 and p["measured_ms"] > 0
+  # The pipeline's devices hold half the layers: fewer parameters than DP x EP's.
+  assert out["pp-1f1b+ep"]["params_gib"] < out["dp+ep"]["params_gib"]
