@@ -11,7 +11,7 @@ reduce-scattered per tick (ZeRO 2/3); ZeRO-3 all-gathers the slots a tick reads 
 tick ahead, before the previous tick's switch, and keeps the slots that consecutive
 ticks read. Expert-parallel regions exchange their tokens by all-to-all over "ep"
 before and after each pass; split weights' pieces (shard, shard_tensor) get their
-gradients reduced only over their copies (`_finish_split`).
+gradients reduced only over their copies (`lowering/gradients.py`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from piper_jax.ir.graph import Pass
 from piper_jax.ir.plan import Plan, Task
 from piper_jax.lowering.options import LoweringOptions
+from piper_jax.lowering.gradients import GradientSums, zeros_of
 from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions, signature
 from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
@@ -53,10 +53,6 @@ def _from_stored(fn, ad: RegionAD, split: BackwardSplit):
     return fn(split, full_residuals(ad, stored, params, batch, acts, outs), cts, *rest)
   run.__name__ = run.__qualname__ = fn.__name__  # the pass's name in HLO metadata and profiles
   return run
-
-
-def _zeros(sig) -> jax.Array:
-  return jnp.zeros(sig[0], jnp.dtype(sig[1]))
 
 
 @dataclasses.dataclass
@@ -119,7 +115,7 @@ class Program:
     self.mbs = self.model.batch_size
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
-    self._plan_grads()
+    self.grads = GradientSums(self.model, plan, layout, self.ad, self.reduce_dtype)
     self._plan_values()
     self.tick_loop = TickLoop(self) if lowers_as_loop(plan, options) else None
     if self.tick_loop is not None:
@@ -275,69 +271,11 @@ class Program:
           for key, _ in msgs[(a, b)]:
             self.loc[(key, b)] = Received(tick_i, ri, where[(a, key)])
         round_info.append(Exchange(tuple(rnd), tuple(pos), where))
-      grad_pos = sorted({self.grad_where[(rank, p)] for rank, tasks in enumerate(tick)
+      grad_pos = sorted({self.grads.where[(rank, p)] for rank, tasks in enumerate(tick)
                          for t in tasks if t.pass_ in _GRAD_PASSES
-                         for p in self._grad_leaves(t.region)})
+                         for p in self.grads.leaves(t.region)})
       self.ticks.append(TickValues(tuple(keep_pos), keep_where, tuple(round_info), tuple(grad_pos)))
-    self.buckets = self._plan_buckets()
-
-  def _plan_buckets(self) -> dict[int, list[list[int]]]:
-    """ZeRO-0 with bucket_mb: per tick, the buckets of gradient positions that become final."""
-    if self.layout.zero != 0 or not self.plan.bucket_mb or self.layout.n_dp == 1:
-      return {}
-    last = {pos: t for t, info in enumerate(self.ticks) for pos in info.grads
-            if pos < self.split_grad0}
-    limit = self.plan.bucket_mb * 2**20
-    out: dict[int, list[list[int]]] = {}
-    for t in sorted(set(last.values())):
-      bucket, size = [], 0
-      for pos in sorted((p for p, lt in last.items() if lt == t), reverse=True):
-        shape, dt = self.grad_positions[pos]
-        bucket.append(pos)
-        size += int(np.prod(shape)) * np.dtype(dt).itemsize
-        if size >= limit:
-          out.setdefault(t, []).append(bucket)
-          bucket, size = [], 0
-      if bucket:
-        out.setdefault(t, []).append(bucket)
-    return out
-
-  def _grad_leaves(self, region: int) -> list[int]:
-    spec = self.model.regions[region]
-    return [spec.params[i] for i in self.ad[region].diff_params]
-
-  def _plan_grads(self):
-    """Positions of the per-leaf gradient accumulators, shared across ranks by size.
-
-    The sums are flat, so that leaves of one size on different ranks share a position
-    whatever their shapes (a model's embedding [V, D] on the first rank and its head
-    [D, V] on the last): every rank holds every position, and by shape each would
-    hold both.
-
-    Split leaves (shard / shard_tensor) come last, at the positions of their
-    pieces in the layout: `split_grad0 + layout.split_pos[p]`.
-    """
-    layout = self.layout
-    per_rank: dict[int, list] = {r: [] for r in range(self.plan.n_ranks)}
-    split_leaves: dict[int, int] = {}
-    for r in self.model.regions:
-      rank = self.plan.mesh.region_rank[r.index]
-      for p in self._grad_leaves(r.index):
-        if p in layout.split:
-          split_leaves[p] = rank
-        elif all(k != p for k, _ in per_rank[rank]):
-          per_rank[rank].append((p, jax.ShapeDtypeStruct((self.model.params[p].size,),
-                                                          jnp.dtype(self.model.params[p].dtype))))
-    self.grad_positions, self.grad_where = match_positions(per_rank)
-    self.split_grad0 = len(self.grad_positions)
-    self.grad_positions += [(shape, dt) for shape, dt, _ in layout.split_positions]
-    for p, rank in split_leaves.items():
-      self.grad_where[(rank, p)] = self.split_grad0 + layout.split_pos[p]
-      per_rank[rank].append((p, None))
-    self.grad_leaves_of_rank = {rank: [p for p, _ in vals if p not in layout.split]
-                                for rank, vals in per_rank.items()}
-    self.owned = {rank: {self.grad_where[(rank, p)] for p in leaves}
-                  for rank, leaves in self.grad_leaves_of_rank.items()}
+    self.buckets = self.grads.buckets([info.grads for info in self.ticks])
 
   # -- the shard_map body -------------------------------------------------------
 
@@ -369,7 +307,7 @@ class Program:
       if layout.unpacked_pos:
         params["leaves"] = layout.unpack_cast(params)
     if self.tick_loop is not None:
-      st.acc, st.split_acc = self.zero_sums()
+      st.acc, st.split_acc = self.grads.zero_sums()
       with jax.named_scope("pj:tick loop"):
         out = self.tick_loop.run(params, batch, st.acc, st.split_acc, st.loss)
       st.acc, st.split_acc, st.loss = out.acc, out.split_acc, out.loss
@@ -379,9 +317,10 @@ class Program:
     with jax.named_scope("pj:step end"):
       if self.layout.zero < 2:
         # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
-        acc = self._assemble(acc, self.reduce_dtype, materialize=not self.buckets) if acc else {}
-      out = self._finish_grads(acc)
-      out["split"] = self._finish_split(st.split_acc)
+        acc = (self.grads.assemble(acc, self._switch, self.reduce_dtype,
+                                   materialize=not self.buckets) if acc else {})
+      out = self.grads.finish(acc, bucketed=bool(self.buckets))
+      out["split"] = self.grads.finish_split(st.split_acc)
       loss = lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
     return out, loss
 
@@ -477,7 +416,7 @@ class Program:
     # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
     acc_in = {}
     for pos in info.grads:
-      sums = st.split_acc if pos >= self.split_grad0 else st.acc if zero < 2 else {}
+      sums = st.split_acc if pos >= self.grads.split0 else st.acc if zero < 2 else {}
       if pos in sums:
         acc_in[pos] = sums[pos]
     operands = {"arrays": {k: st.arrays[k] for k in reads},
@@ -505,11 +444,12 @@ class Program:
       for pos, x in enumerate(payload):
         st.arrays[Received(tick_i, ri, pos)] = self._before_next_tick(
             st, lax.ppermute(x, "pp", perm=list(rnd.perm)))
-    for pos in [p for p in grads if p >= self.split_grad0]:
+    for pos in [p for p in grads if p >= self.grads.split0]:
       st.split_acc[pos] = grads.pop(pos)
     if zero >= 2 and grads:
-      for key, x in self._assemble(grads, self.reduce_dtype, materialize=True).items():
-        x = self._grad_collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
+      for key, x in self.grads.assemble(grads, self._switch, self.reduce_dtype,
+                                        materialize=True).items():
+        x = self.grads.collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
         x = self._before_next_tick(st, x).astype(key[1])
         st.acc[key] = st.acc[key] + x if key in st.acc else x
     else:
@@ -517,7 +457,7 @@ class Program:
       for bucket in self.buckets.get(tick_i, []):
         # One all-reduce of several arrays as soon as they are final, which XLA
         # can overlap with the backward work that follows.
-        summed = self._grad_collective(lax.psum, tuple(st.acc[p] for p in bucket), axes,
+        summed = self.grads.collective(lax.psum, tuple(st.acc[p] for p in bucket), axes,
                                        keep_dtype=False)
         st.acc.update(zip(bucket, (self._before_next_tick(st, x) for x in summed)))
 
@@ -535,12 +475,12 @@ class Program:
     for t in body_ticks:
       grads = self.ticks[t].grads
       for pos in grads:
-        if pos >= self.split_grad0:
-          st.split_acc.setdefault(pos, _zeros(self.grad_positions[pos]))
+        if pos >= self.grads.split0:
+          st.split_acc.setdefault(pos, zeros_of(self.grads.positions[pos]))
         elif self.layout.zero < 2:
-          st.acc.setdefault(pos, _zeros(self.grad_positions[pos]))
+          st.acc.setdefault(pos, zeros_of(self.grads.positions[pos]))
       if self.layout.zero >= 2:
-        for key in self._segment_keys([p for p in grads if p < self.split_grad0]):
+        for key in self.grads.segment_keys([p for p in grads if p < self.grads.split0]):
           size = self.layout.segment_size(*key) // self.n_data
           st.acc.setdefault(key, jnp.zeros((size,), jnp.dtype(key[1])))
     acc_keys, split_keys = sorted(st.acc, key=str), sorted(st.split_acc)
@@ -557,7 +497,7 @@ class Program:
               "split": [inner.split_acc[k] for k in split_keys], "loss": inner.loss}
 
     init = {"carry": [self._entry_value(st.arrays, e) for e in w.entry],
-            "exits": [_zeros(self.loc_signature(k)) for k in w.exits],
+            "exits": [zeros_of(self.loc_signature(k)) for k in w.exits],
             "acc": [st.acc[k] for k in acc_keys], "split": [st.split_acc[k] for k in split_keys],
             "loss": st.loss}
     out = lax.fori_loop(0, w.iters, iteration, init)
@@ -585,19 +525,6 @@ class Program:
       return info.keep_positions[loc.pos]
     return info.rounds[loc.round].positions[loc.pos]
 
-  def _grad_collective(self, op, x, *args, keep_dtype: bool = True, **kwargs):
-    """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
-    tuple), run in the plan's `reduce_dtype` where it has one; the result is cast back
-    to x's dtype unless `keep_dtype` is False."""
-    dt = self.reduce_dtype
-    if dt is None:
-      return op(x, *args, **kwargs)
-    cast = lambda t, to: t.astype(to) if jnp.issubdtype(t.dtype, jnp.floating) else t
-    out = op(jax.tree_util.tree_map(lambda t: cast(t, dt), x), *args, **kwargs)
-    if not keep_dtype:
-      return out
-    return jax.tree_util.tree_map(lambda t, ref: cast(t, ref.dtype), out, x)
-
   def gather_split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
     """Split weights' pieces for a tick that reads parameters `read`; under ZeRO-3 those
     pieces are all-gathered over their copies (the others stay sharded: no task of
@@ -609,98 +536,6 @@ class Program:
     for k in sorted({layout.split_pos[p] for p in read if p in layout.split}):
       out[k] = layout.gather_piece(local[k], k)
     return out
-
-  def _finish_split(self, split_acc: dict[int, jax.Array]) -> list[jax.Array]:
-    """Split leaves' gradients, summed over the copies of their group, as [1, 1, *piece].
-
-    Expert pieces are copied over "dp" (tensor-parallel devices compute the same
-    ones); tensor-parallel pieces over the data axes, whose devices see other rows.
-    With ZeRO >= 1 the sum is reduce-scattered along `layout.split_zero_dim`.
-    """
-    layout, out = self.layout, []
-    for k, (shape, dt, kind) in enumerate(layout.split_positions):
-      g = split_acc.get(self.split_grad0 + k)
-      g = jnp.zeros(shape, jnp.dtype(dt)) if g is None else g
-      axes, copies = layout.copies[kind]
-      d = layout.split_zero_dim(k) if layout.zero >= 1 else None
-      if d is not None:
-        g = self._grad_collective(lax.psum_scatter, g, axes, scatter_dimension=d, tiled=True)
-      elif copies > 1:
-        g = self._grad_collective(lax.psum, g, axes)
-      out.append(g[None, None])
-    return out
-
-  def _assemble(self, grads: dict[int, jax.Array], dtype: str | None = None,
-                materialize: bool = False) -> dict[tuple, jax.Array]:
-    """Per-leaf gradients (by position) -> this rank's flat (slot, dtype) segments, built
-    in `dtype` if given (a reduction's dtype: the cast fuses into the copy of each leaf).
-    `materialize`: each raveled leaf is computed on its own (an optimization barrier)
-    instead of fused into the segment's concatenate, whose GPU emitter can run a fused
-    bias-gradient reduction with one thread per column, slow enough to matter per step)."""
-    keys = self._segment_keys(grads)
-    return self._switch([functools.partial(self._assemble_rank, r, keys=keys, dtype=dtype,
-                                           materialize=materialize)
-                         for r in range(self.plan.n_ranks)], grads)
-
-  def _assemble_rank(self, rank: int, g: dict[int, jax.Array], keys: list[tuple],
-                     dtype: str | None, materialize: bool) -> dict[tuple, jax.Array]:
-    """`_assemble` on pipeline rank `rank`: its leaves' gradients into segments `keys`."""
-    layout = self.layout
-    segs = {key: jnp.zeros((layout.segment_size(*key),), jnp.dtype(dtype or key[1]))
-            for key in keys}
-    for p in self.grad_leaves_of_rank[rank]:
-      pos = self.grad_where[(rank, p)]
-      if pos not in g:
-        continue
-      h = layout.home[p]
-      key = (h.slot, h.dtype)
-      leaf = jnp.ravel(g[pos]).astype(segs[key].dtype)
-      if materialize:
-        leaf = lax.optimization_barrier(leaf)
-      segs[key] = lax.dynamic_update_slice(segs[key], leaf, (h.offset,))
-    return segs
-
-  def add_task_grads(self, rank: int, grads: dict[int, jax.Array], acc: dict,
-                     split_acc: dict) -> None:
-    """Adds one task's weight gradients (leaf -> array) on pipeline rank `rank` to the
-    step's sums, which hold every position: per-leaf sums under ZeRO 0/1, this replica's
-    reduce-scattered segments under ZeRO 2/3; split leaves' pieces to `split_acc`."""
-    by_pos = {self.grad_where[(rank, p)]: g for p, g in grads.items()}
-    segment_grads = {}
-    for pos, g in by_pos.items():
-      if pos >= self.split_grad0:
-        split_acc[pos] = split_acc[pos] + g.astype(split_acc[pos].dtype)
-      elif self.layout.zero < 2:
-        acc[pos] = acc[pos] + jnp.ravel(g).astype(acc[pos].dtype)
-      else:
-        segment_grads[pos] = g.astype(self.grad_positions[pos][1])
-    if segment_grads:
-      keys = sorted({(self.layout.home[p].slot, self.layout.home[p].dtype)
-                     for p in self.grad_leaves_of_rank[rank]
-                     if self.grad_where[(rank, p)] in segment_grads}, key=str)
-      segs = self._assemble_rank(rank, segment_grads, keys, self.reduce_dtype, True)
-      for key, x in segs.items():
-        x = self._grad_collective(lax.psum_scatter, x, self.data_axes, scatter_dimension=0,
-                                  tiled=True)
-        acc[key] = acc[key] + x.astype(key[1])
-
-  def zero_sums(self) -> tuple[dict, dict]:
-    """Zero gradient sums of every position the step adds to: (acc, split_acc)."""
-    if self.layout.zero < 2:
-      acc = {pos: _zeros(self.grad_positions[pos]) for pos in range(self.split_grad0)}
-    else:
-      acc = {key: jnp.zeros((self.layout.segment_size(*key) // self.n_data,), jnp.dtype(key[1]))
-             for key in self._segment_keys(range(self.split_grad0))}
-    split = {pos: _zeros(self.grad_positions[pos])
-             for pos in range(self.split_grad0, len(self.grad_positions))}
-    return acc, split
-
-  def _segment_keys(self, positions) -> list[tuple]:
-    """The (slot, dtype) segments that gradients at `positions` (any rank's) fall in."""
-    layout = self.layout
-    return sorted({(layout.home[p].slot, layout.home[p].dtype)
-                   for rank, leaves in self.grad_leaves_of_rank.items() for p in leaves
-                   if self.grad_where[(rank, p)] in positions}, key=str)
 
   def run_task(self, r: int, pass_: Pass, m: int, read, param, batch: list,
                made: dict, grad_acc: dict) -> jax.Array:
@@ -830,7 +665,7 @@ class Program:
           spare.setdefault(signature(x), []).append(x)
 
       def filler(sig):
-        return spare[sig].pop() if spare.get(sig) else _zeros(sig)
+        return spare[sig].pop() if spare.get(sig) else zeros_of(sig)
 
       def fill(positions, where):
         out = [None] * len(positions)
@@ -845,19 +680,19 @@ class Program:
       # The tick's gradients added to the sums passed in; a rank that makes none for a
       # position it owns passes its sum through; positions it does not own (another
       # rank's leaves, shared by shape) are never assembled and need no copy.
-      by_pos = {self.grad_where[(rank, p)]: g for p, g in grad_acc.items()}
+      by_pos = {self.grads.where[(rank, p)]: g for p, g in grad_acc.items()}
       grads = {}
       for pos in info.grads:
         g, old = by_pos.get(pos), ops["acc"].get(pos)
         if g is not None:
-          g = g.astype(self.grad_positions[pos][1])
-          if pos < self.split_grad0:  # per-leaf sums are flat; split pieces keep their shape
+          g = g.astype(self.grads.positions[pos][1])
+          if pos < self.grads.split0:  # per-leaf sums are flat; split pieces keep their shape
             g = jnp.ravel(g)
           grads[pos] = g if old is None else old + g
-        elif pos < self.split_grad0 and pos not in self.owned[rank]:
-          grads[pos] = filler(self.grad_positions[pos])
+        elif pos < self.grads.split0 and pos not in self.grads.owned[rank]:
+          grads[pos] = filler(self.grads.positions[pos])
         else:
-          grads[pos] = _zeros(self.grad_positions[pos]) if old is None else old
+          grads[pos] = zeros_of(self.grads.positions[pos]) if old is None else old
       if "after" in ops:  # ordering only (`_tick`'s in_order); a non-finite loss stays so
         loss = loss + 0 * ops["after"]
       return keep, rounds, grads, loss
@@ -875,31 +710,3 @@ class Program:
     x = lax.all_to_all(x, "ep", 0, 0, tiled=True)
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
-  def _finish_grads(self, grads: dict) -> dict:
-    """Reduces accumulated gradients once and lays them out like the local param buffers."""
-    layout = self.layout
-    out = {"slots": {}, "shared": {}}
-    for dt in layout.dtypes:
-      out["slots"][dt] = [self._reduce(grads.get((j, dt)), layout.chunk[(j, dt)], dt)[None]
-                          for j in layout.slot_ids[dt]]
-      shared = grads.get((SHARED, dt))
-      shared = None if shared is None else lax.psum(shared, "pp")  # tied: summed over ranks
-      out["shared"][dt] = self._reduce(shared, layout.shared_chunk[dt], dt)
-    return out
-
-  def _reduce(self, g, chunk: int, dt: str) -> jax.Array:
-    """A segment's gradient, reduced over "dp" as its ZeRO stage says, as [rows, chunk].
-
-    ZeRO-0: all-reduced, every replica keeps all rows; ZeRO-1: reduce-scattered to
-    this replica's chunk; ZeRO-2/3: already reduce-scattered per tick.
-    """
-    zero, n_dp, axes = self.layout.zero, self.layout.n_dp, self.data_axes
-    if g is None:
-      g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
-    if zero == 0:
-      g = g if self.buckets else self._grad_collective(lax.psum, g, axes)  # buckets: done
-      return g.astype(dt).reshape(n_dp, chunk)
-    if zero == 1:
-      g = self._grad_collective(lax.psum_scatter, g, axes, scatter_dimension=0, tiled=True)
-      return g.astype(dt).reshape(1, chunk)
-    return g.reshape(1, chunk)

@@ -144,7 +144,7 @@ class TickLoop:
                   ops["write_rows"][j]) for j, key in enumerate(write_keys)]
       acc, split_acc = dict(ops["acc"]), dict(ops["split_acc"])
       if any(t.pass_ in _GRAD_PASSES for t in tasks):
-        prog.add_task_grads(rank, grad_acc, acc, split_acc)
+        prog.grads.add_task(rank, grad_acc, acc, split_acc)
       if self.write_after:
         return self._slot_out(written, acc, split_acc, loss)
       return LoopCarry(_written(stores, written), acc, split_acc, loss)

@@ -1,4 +1,4 @@
-"""The shard_map program of a pipeline (`lowering/program.py`): what every rank holds."""
+"""The step's gradient sums (`lowering/gradients.py`): where every rank adds its gradients."""
 
 import jax
 import optax
@@ -20,12 +20,12 @@ def test_gradient_sums_are_shared_across_ranks_by_size():
   batch = jax.eval_shape(lambda: qwen3.random_batch(model.config, jax.random.PRNGKey(1), 8))
   step = pj.compile(qwen3.loss_fn(model), optax.sgd(0.1), pj.strategies.pipeline(2, 4, "1f1b"),
                     params, batch)
-  program = step._program
-  per_rank = program.grad_leaves_of_rank
+  sums = step._program.grads
+  per_rank = sums.leaves_of_rank
   assert len(per_rank[0]) > 0 and len(per_rank[1]) > 0
-  assert len(program.grad_positions) == max(len(v) for v in per_rank.values())
-  assert all(len(shape) == 1 for shape, _ in program.grad_positions)
-  names = {program.model.params[p].name: program.grad_where[(r, p)]
+  assert len(sums.positions) == max(len(v) for v in per_rank.values())
+  assert all(len(shape) == 1 for shape, _ in sums.positions)
+  names = {sums.model.params[p].name: sums.where[(r, p)]
            for r, leaves in per_rank.items() for p in leaves}
   embed = next(n for n in names if "embed" in n)
   head = next(n for n in names if "head" in n)
