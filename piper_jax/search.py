@@ -1,33 +1,27 @@
 """`search`: enumerates the strategies a model's annotations allow, plans and simulates
 each without devices, estimates its peak memory per device, and ranks those that fit.
 
-The model is traced once; every candidate is planned from that trace (`make_plan`
-with the candidate's directives), simulated with the regions' matmul FLOPs from the
-jaxpr (`Plan.simulate("flops")`), and costed with a `CostModel`. See `search` for what
-the time and memory estimates count and leave out.
+The model is traced once (`costs.measure_model`); every candidate is planned from that
+trace (`make_plan` with the candidate's directives), simulated with the regions' matmul
+FLOPs from the jaxpr (`Plan.simulate("flops")`), and costed with a `CostModel`
+(`costs.estimate_plan`). See `search` for what the time and memory estimates count and
+leave out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 import optax
 
-from piper_jax.calibrate import RegionTimes
 from piper_jax.compile import compile as compile_step
+from piper_jax.costs import (CostModel, Estimate, MeasuredModel, MemoryEstimate, estimate,
+                             estimate_plan, measure_model)
 from piper_jax.ir.directives import (Directive, Order, order, place, replicate, shard,
                                      shard_tensor, split)
 from piper_jax.ir.pipeline import make_plan
-from piper_jax.ir.plan import Plan
-from piper_jax.lowering.local import RegionRunner
-from piper_jax.lowering.options import LoweringOptions
-from piper_jax.lowering.program import lowers_as_loop
-from piper_jax.lowering.regions import analyze_region
-from piper_jax.lowering.trace import trace_loss
 
 __all__ = ["CostModel", "MemoryEstimate", "Estimate", "Candidate", "Rejected", "SearchResult",
            "search", "estimate", "PIPELINE_SCHEDULES"]
@@ -39,75 +33,6 @@ ALL_SCHEDULES = ("dp",) + PIPELINE_SCHEDULES
 # place a fixed pattern of single regions on each rank).
 _GROUPABLE = ("gpipe", "1f1b", "zb")
 _GIB = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-  """How simulated work becomes seconds.
-
-  Attributes:
-    flops_per_s: sustained matmul FLOP/s of one device (a region's F costs its
-      forward FLOPs, B twice that).
-    link_bytes_per_s: bytes per second one device sends or receives, for data-parallel
-      reductions and gathers and for pipeline activations.
-    tick_overhead_s: fixed time per tick of the plan (each tick is one step of the
-      lowered loop: a launch and a round of messages), which makes many small
-      microbatches cost something.
-    region_times: measured seconds of each region's F and B (`pj.calibrate`), scaled
-      to each candidate's microbatch rows; when given, tasks cost these instead of
-      their FLOPs at `flops_per_s`.
-  """
-
-  flops_per_s: float = 400e12
-  link_bytes_per_s: float = 100e9
-  tick_overhead_s: float = 20e-6
-  region_times: RegionTimes | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-  """Peak bytes on the busiest device of a candidate, by kind.
-
-  Attributes:
-    params, grads, optimizer: the device's parameters (with ZeRO-3's gathered
-      weights), gradients and optimizer state.
-    activations: what forward passes keep for their backward passes, at their peak.
-    weight_copies: the weights cast once per step to the dtype the model reads them in
-      (a pipeline keeps them for the whole step; ZeRO-1/2's distributed optimizer
-      gathers them whole from the sharded fp32 parameters).
-    working: what the largest backward recomputes, beyond what its forward kept, of
-      the residuals remat dropped.
-    grads_with_activations: gradients live beside the activations (a pipeline or
-      accumulation over microbatches); else a single backward frees activations as it
-      makes gradients and the peak holds the larger of the two.
-  """
-
-  params: int
-  grads: int
-  optimizer: int
-  activations: int
-  weight_copies: int = 0
-  working: int = 0
-  grads_with_activations: bool = True
-
-  @property
-  def total(self) -> int:
-    live = (self.grads + self.activations if self.grads_with_activations
-            else max(self.grads, self.activations))
-    return self.params + self.optimizer + self.weight_copies + self.working + live
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-  """What one strategy is estimated to cost (`estimate`): seconds per step, its compute
-  (with bubbles) and communication parts, the simulated bubble, and peak bytes per device."""
-
-  step_time: float
-  compute_time: float
-  comm_time: float
-  bubble_fraction: float
-  memory: MemoryEstimate
-  plan: Plan = dataclasses.field(repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -234,59 +159,6 @@ def _fmt_time(s: float) -> str:
   return f"{s * 1e6:.3g} us"
 
 
-# -- the model, measured once ---------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Model:
-  """What the estimates read from the one trace (all at `batch_size` rows)."""
-
-  spec: Any                         # ModelSpec
-  batch_size: int
-  pp: tuple[int, ...]               # the model's PP indices, in order (empty: no pipeline)
-  pp_flops: Mapping[int, float]     # PP index -> forward FLOPs of its regions
-  opt_ratio: float                  # optimizer-state bytes per parameter byte
-  copy_ratio: Mapping[int, float]   # leaf -> bytes of its cast copy per byte (leaves cast once a step)
-  runner: RegionRunner = dataclasses.field(repr=False, compare=False)
-  ep_regions: frozenset[int] = frozenset()  # regions annotated "EP" (experts)
-  n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
-  tp_size: int = 0                  # gcd of the dimensions named "tp" (0: none)
-  # remat -> region -> bytes kept from F for B, analysed on first use.
-  _act_bytes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-  def act_bytes(self, remat: bool) -> Mapping[int, int]:
-    """Per region, the bytes its F keeps for B (residuals under `remat`, and its
-    activation inputs, received from the region before or made on this device)."""
-    if remat not in self._act_bytes:
-      per = {}
-      for r in self.spec.regions:
-        ad = analyze_region(self.runner, r.index, remat)
-        stored = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ad.stored_avals)
-        per[r.index] = int(stored) + sum(x.spec.nbytes for x in r.inputs)
-      self._act_bytes[remat] = per
-    return self._act_bytes[remat]
-
-
-def _measure(loss_fn, optimizer, params, example_batch) -> _Model:
-  traced = trace_loss(loss_fn, params, example_batch)
-  spec = traced.spec
-  pp_of = [dict(r.tags).get("PP") for r in spec.regions]
-  pp = tuple(sorted({p for p in pp_of if p is not None})) if None not in pp_of else ()
-  pp_flops = {p: sum(r.flops for r, q in zip(spec.regions, pp_of) if q == p) for p in pp}
-  p_bytes = sum(p.nbytes for p in spec.params)
-  opt = jax.eval_shape(optimizer.init, params)
-  o_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                for x in jax.tree_util.tree_leaves(opt) if hasattr(x, "shape"))
-  ep_regions = frozenset(r.index for r in spec.regions if "EP" in dict(r.tags))
-  n_experts = math.gcd(*[spec.params[p].shape[0] for r in ep_regions
-                         for p in spec.regions[r].params if spec.params[p].shape])
-  tp_size = math.gcd(*[s.shape[d] for s in spec.params if s.names
-                       for d, name in enumerate(s.names) if name == "tp"])
-  copy_ratio = {p: np.dtype(to).itemsize / np.dtype(spec.params[p].dtype).itemsize
-                for p, to in traced.param_casts().items()}
-  return _Model(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1), copy_ratio,
-                RegionRunner(traced), ep_regions, n_experts, tp_size)
-
-
 # -- candidate directives ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +278,8 @@ def _microbatch_counts(per_replica: int, low: int, given: Sequence[int] | None,
   return out
 
 
-def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stages: Sequence[int],
+def _layouts(model: MeasuredModel, n_devices: int, schedules: Sequence[str],
+             zero_stages: Sequence[int],
              microbatches: Sequence[int] | None, virtual_stages: Sequence[int],
              group_regions: bool, max_microbatches: int | None,
              expert_parallel: bool | None = None,
@@ -467,165 +340,7 @@ def _layouts(model: _Model, n_devices: int, schedules: Sequence[str], zero_stage
   return out
 
 
-# -- estimates ---------------------------------------------------------------------
-
-def _estimate(model: _Model, plan: Plan, costs: CostModel, remat: bool,
-              options: LoweringOptions = LoweringOptions()):
-  """(step_time, compute_time, comm_time, bubble, MemoryEstimate) of a planned candidate."""
-  spec, mesh = model.spec, plan.mesh
-  rows = model.batch_size // (mesh.n_data * plan.n_microbatches)  # rows of one microbatch
-  scale = rows / model.batch_size  # the trace holds the whole batch; costs scale with rows
-  if costs.region_times is not None:  # measured seconds per task
-    report = plan.simulate(costs.region_times.costs(rows))
-    compute = report.tick_makespan + costs.tick_overhead_s * len(plan.ticks)
-  else:
-    report = plan.simulate("flops")
-    top = max([r.flops for r in spec.regions] + [0.0])
-    unit = top * scale / costs.flops_per_s  # seconds per simulated unit (largest region's F)
-    compute = report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
-  n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
-  f = (n - 1) / n
-  act = model.act_bytes(remat)
-  full = model.act_bytes(False) if remat else act
-  peak = MemoryEstimate(0, 0, 0, 0)
-  comm = 0.0
-  pipelined = mesh.n_pp > 1
-  ep, tp = mesh.size("ep"), mesh.size("tp")
-  tokens = _tokens(spec) * scale  # tokens of one microbatch on one device's rows
-  act_item = _act_itemsize(spec)
-  acts_of = [_peak_activations(plan, report, rank,
-                               {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
-             for rank in range(mesh.n_pp)]
-  if lowers_as_loop(plan, options):
-    # One program for every rank: each device allocates the stores of the rank that
-    # keeps the most.
-    acts_of = [max(acts_of)] * mesh.n_pp
-  for rank in range(mesh.n_pp):
-    regions = plan.rank_regions(rank)
-    # Leaves split over an expert or tensor group: each device holds 1/group of them,
-    # and ZeRO divides that piece over the group's copies (n / group devices).
-    group = {p: mesh.size(mesh.sharded[r]) for r in regions if r in mesh.sharded
-             for p in mesh.split_dims.get(r, {})}
-    leaves = sorted({p for r in regions for p in spec.regions[r].params} - set(group))
-    p_bytes = sum(spec.params[p].nbytes for p in leaves)
-    pieces = [(spec.params[p].nbytes / g, n // g) for p, g in group.items()]
-    by_zero = lambda stage: sum(b / (c if zero >= stage else 1) for b, c in pieces)
-    # A leaf's bytes in the dtype the model reads it in (cast once a step).
-    read = lambda p: spec.params[p].nbytes * model.copy_ratio.get(p, 1.0)
-    region_read = [sum(read(p) for p in spec.regions[r].params if p not in group)
-                   for r in regions]
-    # ZeRO-3 gathers weights in the dtype they are read in and keeps a pipeline stage's
-    # gathered between its microbatches; without a pipeline it gathers one region at a time.
-    gathered = (sum(read(p) for p in leaves) if pipelined else max(region_read, default=0)
-                ) if zero >= 3 else 0
-    cast = int(sum(read(p) for p in leaves if p in model.copy_ratio))
-    # ZeRO-1/2 with weights read in a narrower dtype keep the fp32 parameters sharded
-    # and gather the narrow copy as the step starts (the distributed optimizer); below
-    # ZeRO-3 a pipeline also casts its weights once a step and keeps the copies.
-    masters = (options.shard_masters and options.cast_weights and zero in (1, 2) and n > 1
-               and cast > 0)
-    copies = cast if masters or (pipelined and zero < 3) else 0
-    params = int(p_bytes / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
-    grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))
-    opt = int((p_bytes / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
-    p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
-    acts = acts_of[rank]
-    # A backward under remat first recomputes what its forward dropped.
-    working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
-    mem = MemoryEstimate(params, grads, opt, acts, copies, working,
-                         grads_with_activations=pipelined or m > 1)
-    if mem.total > peak.total:
-      peak = mem
-    # Data-parallel traffic per device: ZeRO 0/1 reduce once a step and (ZeRO-1) gather
-    # the update; ZeRO 2/3 reduce-scatter per microbatch; ZeRO-3 gathers weights before
-    # each F and B (a pipeline stage: once a step).
-    if zero <= 1:
-      dp_bytes = 2 * f * p_bytes
-    elif zero == 2:
-      dp_bytes = f * p_bytes * (m + 1)
-    else:
-      dp_bytes = f * p_bytes * (m + (1 if pipelined else 2 * m))
-    # Expert parallel: each EP region's tokens go to their experts' devices and back,
-    # in F and again in B, every microbatch.
-    sent = sum(4 * (ep - 1) / ep * x.spec.nbytes * scale * m
-               for r in regions if mesh.sharded.get(r) == "ep"
-               for x in spec.regions[r].inputs)
-    # Tensor parallel: each row-parallel weight (split on the dimension it contracts)
-    # has its output all-reduced over the group in F, and its input's cotangent in B.
-    sent += sum(2 * 2 * (tp - 1) / tp * tokens * spec.params[p].shape[-1] * act_item
-                * m for r in regions if mesh.sharded.get(r) == "tp"
-                for p, d in mesh.split_dims.get(r, {}).items()
-                if d == 0 and len(spec.params[p].shape) == 2)
-    # Pipeline traffic: each activation crossing ranks goes forward, its cotangent back.
-    for r in spec.regions:
-      for x in r.inputs:
-        a, b = mesh.region_rank[x.region], mesh.region_rank[r.index]
-        if a != b and rank in (a, b):
-          sent += x.spec.nbytes * scale * m
-    comm = max(comm, (dp_bytes + sent) / costs.link_bytes_per_s)
-  # Without a pipeline, XLA runs the data-parallel reductions and gathers beside the
-  # compute that does not need them (the backward of later layers, the forward of
-  # earlier ones): only communication beyond the compute's time shows. A pipeline's
-  # loop reduces after its last tick and waits for its messages each tick.
-  step = compute + comm if pipelined else max(compute, comm)
-  return step, compute, comm, report.bubble_fraction, peak
-
-
-def _tokens(spec) -> int:
-  """Tokens of the traced batch: the elements of its first batch leaf (rows x sequence)."""
-  return math.prod(spec.batch[0].shape) if spec.batch else spec.batch_size
-
-
-def _act_itemsize(spec) -> int:
-  """Bytes per element of the activations between regions (4 when there are none)."""
-  acts = [x.spec for r in spec.regions for x in r.inputs]
-  return np.dtype(acts[0].dtype).itemsize if acts else 4
-
-
-def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) -> int:
-  """The most bytes of (region, microbatch) activations alive at once on `rank`: from
-  the end of a region's F until the end of its last backward pass, in the simulation."""
-  end = report.end
-  events = []
-  last: dict[tuple[int, int], float] = {}
-  for t in plan.tasks.values():
-    if t.rank != rank or t.pass_.value == "F":
-      continue
-    key = (t.region, t.mb)
-    last[key] = max(last.get(key, 0.0), end[t.label])
-  for t in plan.tasks.values():
-    if t.rank == rank and t.pass_.value == "F":
-      events.append((end[t.label], 1, nbytes[t.region]))
-      events.append((last.get((t.region, t.mb), end[t.label]), -1, nbytes[t.region]))
-  live = best = 0
-  for _, d, b in sorted(events, key=lambda e: (e[0], e[1])):
-    live += d * b
-    best = max(best, live)
-  return best
-
-
 # -- the search --------------------------------------------------------------------
-
-def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
-             example_batch: Any, directives: Sequence[Directive], n_devices: int, *,
-             costs: CostModel | None = None, remat: bool | None = None,
-             options: LoweringOptions | None = None) -> Estimate:
-  """The step time and peak memory per device `search` would estimate for `directives`
-  (see `search` for what they count), without devices. `options` are the
-  `pj.compile` options the step would be lowered with (they choose between one loop
-  over the ticks, whose devices all hold the stores of the rank that keeps the most,
-  and the per-tick program).
-
-  Raises:
-    ValueError: for directives that do not plan.
-  """
-  model = _measure(loss_fn, optimizer, params, example_batch)
-  plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
-  use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
-  step, compute, comm, bubble, mem = _estimate(model, plan, costs or CostModel(), use_remat,
-                                                options or LoweringOptions())
-  return Estimate(step, compute, comm, bubble, mem, plan)
-
 
 def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
            example_batch: Any, n_devices: int, memory_per_device: float, *,
@@ -741,7 +456,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     raise ValueError(f"microbatches must hold ints >= 1, got {list(microbatches)}")
   costs = costs or CostModel()
   pipelines = [s for s in schedules if s != "dp"]
-  model = _measure(loss_fn, optimizer, params, example_batch)
+  model = measure_model(loss_fn, optimizer, params, example_batch)
   if pipelines and "dp" not in schedules and len(model.pp) < 2:
     raise ValueError(
         f"schedules {list(schedules)} are pipelines only, but the model has "
@@ -765,7 +480,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
       rejected.append(Rejected(lay.name, directives, lay.n_microbatches, f"does not plan: {e}"))
       continue
     use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
-    step, compute, comm, bubble, mem = _estimate(model, plan, costs, use_remat)
+    step, compute, comm, bubble, mem = estimate_plan(model, plan, costs, use_remat)
     if mem.total > headroom * memory_per_device:
       of = ("" if headroom == 1 else
             f" ({100 * headroom:.0f}% of {format_bytes(memory_per_device)})")
