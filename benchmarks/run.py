@@ -54,8 +54,7 @@ DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
 (`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default).
 `+writeafter` has the loop's branches return the values they made, written into the
 stores after the slot's switch (`LoweringOptions.write_stores_after_switch`, the default
-on CPU only); `+recvnext` writes what a tick received as the next tick starts
-(`LoweringOptions.write_received_next_tick`). `+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
+on CPU only). `+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
 backward (`LoweringOptions.zero3_reshard` off). `+spread` stores slots whose pipeline ranks' parts
 are uneven spread over all devices (`LoweringOptions.spread_uneven_slots`).
 `+ac` checkpoints every block of a Qwen3 model (its `remat`: the backward
@@ -101,7 +100,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
              "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
-             "spread", "writeafter", "recvnext",
+             "spread", "writeafter",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla", "ac")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -326,7 +325,6 @@ def lowering_options(mods: list[str]):
       slim_carry="noslimcarry" not in mods,
       zero3_reshard="keepgathered" not in mods,
       write_stores_after_switch=True if "writeafter" in mods else None,
-      write_received_next_tick="recvnext" in mods,
       spread_uneven_slots="spread" in mods,
       compiler_options={} if "nocmdbuf" in mods else None)
 

@@ -61,10 +61,6 @@ class LoweringOptions:
       returning the stores written in place. None: on CPU only, where XLA gives a switch
       that returns the stores buffers of its own and copies every store in every slot;
       a GPU writes them in place, and the extra writes after the switch only cost time.
-    write_received_next_tick: the loop writes what a tick received into the stores as
-      the next tick starts, not as the tick ends: the writes then join the next tick's
-      switch in one CUDA graph (one launch a tick fewer per round), at the cost of
-      carrying one message per round between iterations.
     zero3_reshard: ZeRO-3 gathers a region's weights again for its backward (PyTorch
       FSDP's reshard_after_forward): a device holds the weights of the ticks in flight.
       False lets XLA keep each region's weights from its forward gather to its backward:
@@ -87,7 +83,6 @@ class LoweringOptions:
   wide_weight_grads: bool = True
   slim_carry: bool = True
   write_stores_after_switch: bool | None = None
-  write_received_next_tick: bool = False
   zero3_reshard: bool = True
   compiler_options: Mapping[str, object] | None = None
 

@@ -40,16 +40,12 @@ _GRAD_PASSES = (Pass.B, Pass.BW)
 
 @dataclasses.dataclass
 class LoopCarry:
-  """What one tick hands the next: value stores, gradient sums and the loss; under
-  `LoweringOptions.write_received_next_tick`, also what the tick received (`inbox`, per
-  round and value) and the store rows it goes to (`inbox_rows`)."""
+  """What one tick hands the next: value stores, gradient sums and the loss."""
 
   stores: list
   acc: dict       # ZeRO 0/1: gradient position -> sum; ZeRO 2/3: (slot, dtype) -> chunk
   split_acc: dict  # split leaves' gradient positions -> sum
   loss: jax.Array
-  inbox: list = dataclasses.field(default_factory=list)
-  inbox_rows: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -67,9 +63,8 @@ class SlotOut:
   loss: jax.Array
 
 
-jax.tree_util.register_dataclass(
-    LoopCarry, data_fields=["stores", "acc", "split_acc", "loss", "inbox", "inbox_rows"],
-    meta_fields=[])
+jax.tree_util.register_dataclass(LoopCarry, data_fields=["stores", "acc", "split_acc", "loss"],
+                                 meta_fields=[])
 jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "rows", "acc", "split_acc", "loss"],
                                  meta_fields=[])
 
@@ -105,7 +100,6 @@ class TickLoop:
     self.positions: list[tuple[int, int]] = [(st, n) for st in sorted(most)
                                              for n in range(most[st])]
     self.write_after = bool(prog.options.write_stores_after_switch)
-    self.received_next_tick = prog.options.write_received_next_tick
 
   # -- the branches ---------------------------------------------------------
 
@@ -189,16 +183,7 @@ class TickLoop:
     stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
     rank = lax.axis_index("pp")
 
-    # The values each round delivers, in order: (round, store) pairs.
-    delivered = [(j, st) for j, rnd in enumerate(table.rounds) for st in rnd.stores]
-
     def tick(i, c: LoopCarry) -> LoopCarry:
-      inbox, inbox_rows = c.inbox, c.inbox_rows
-      if self.received_next_tick:  # the last tick's messages, before this tick's slots
-        c = LoopCarry(_written(c.stores, [(st, x, row) for (_, st), x, row
-                                          in zip(delivered, inbox, inbox_rows)]),
-                      c.acc, c.split_acc, c.loss)
-
       def slot(s, c: LoopCarry) -> LoopCarry:
         ops = {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
                "params": params, "batch": batch, "mb": mb[i, rank, s],
@@ -215,18 +200,10 @@ class TickLoop:
                                                     keepdims=False)
                            for n, st in enumerate(rnd.stores)], "pp", perm=list(rnd.perm))
              for j, rnd in enumerate(table.rounds)]
-      got = [x for values in got for x in values]
-      rows = [recv_rows[i, rank, j, n] for j, rnd in enumerate(table.rounds)
-              for n in range(len(rnd.stores))]
-      if self.received_next_tick:
-        return LoopCarry(c.stores, c.acc, c.split_acc, c.loss, got, rows)
-      stores = _written(c.stores, [(st, x, row) for (_, st), x, row in zip(delivered, got, rows)])
-      return LoopCarry(stores, c.acc, c.split_acc, c.loss, inbox, inbox_rows)
+      stores = _written(c.stores, [(st, got[j][n], recv_rows[i, rank, j, n])
+                                   for j, rnd in enumerate(table.rounds)
+                                   for n, st in enumerate(rnd.stores)])
+      return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
-    first = LoopCarry(stores, acc, split_acc, loss)
-    if self.received_next_tick:  # nothing arrived before the first tick: scratch rows
-      first.inbox = [jnp.zeros(table.stores[st].shape, jnp.dtype(table.stores[st].dtype))
-                     for _, st in delivered]
-      first.inbox_rows = [jnp.int32(table.stores[st].scratch) for _, st in delivered]
-    # The last tick's messages are not written: no tick reads them.
-    return lax.fori_loop(0, table.n_iterations, tick, first)
+    return lax.fori_loop(0, table.n_iterations, tick,
+                         LoopCarry(stores, acc, split_acc, loss))

@@ -43,17 +43,6 @@ def test_stores_written_inside_or_after_the_switch_give_the_same_numbers(schedul
     assert bool(step._program.tick_loop.positions) and step._program.tick_loop.write_after is (after is None)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
-def test_received_values_written_as_the_next_tick_starts_give_the_same_numbers(schedule):
-  # What a tick receives waits in the loop's carry and is written as the next tick
-  # starts; the first tick writes zeros to scratch rows, the last tick's are dropped.
-  params = init_mlp(jax.random.PRNGKey(0), 4)
-  directives = pj.strategies.pipeline(4, 4, schedule)
-  options = pj.LoweringOptions(tick_loop=True, write_received_next_tick=True)
-  step, _ = assert_same_run(mlp_loss(4), params, directives, options=options)
-  assert step.options.write_received_next_tick and step.tick_loop
-
-
 def test_tick_loop_expert_parallel_x_pipeline(batches_of):
   config, loss, params = moe_gpt(2)
   batches_of(config)
