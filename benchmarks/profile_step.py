@@ -40,14 +40,18 @@ def _overlap(events, others) -> float:
   return total
 
 
-def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> str:
+def load_trace(trace_path: str) -> list[dict]:
+  """The events of a Perfetto JSON trace (gzipped), read once for every summary."""
+  with gzip.open(trace_path, "rt") as f:
+    return json.load(f)["traceEvents"]
+
+
+def summarize(events: list[dict], top: int = 15, named: int = 0, gpu: int = 0) -> str:
   """A text summary of GPU `gpu`'s kernels in a Perfetto JSON trace.
 
   Kernels are grouped by name with digits removed (`top` groups); `named` more lines
   list single kernel names (as the optimized HLO names its fusions) by total time.
   """
-  with gzip.open(trace_path, "rt") as f:
-    events = json.load(f)["traceEvents"]
   gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
               and re.search(rf"/device:GPU:{gpu}\b", str(e.get("args", {}).get("name", "")))}
   kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur")]
@@ -92,12 +96,10 @@ def summarize(trace_path: str, top: int = 15, named: int = 0, gpu: int = 0) -> s
   return "\n".join(lines)
 
 
-def host_summary(trace_path: str, top: int = 25) -> str:
+def host_summary(events: list[dict], top: int = 25) -> str:
   """The host's side of the profiled steps: events of the processes that are not GPUs
   (XLA's thunks, stream waits, copies to the host), grouped by name with digits removed,
   by total time. A GPU idle between ticks while the host waits here is a host-paced loop."""
-  with gzip.open(trace_path, "rt") as f:
-    events = json.load(f)["traceEvents"]
   gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
               and "/device:GPU:" in str(e.get("args", {}).get("name", ""))}
   host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids and e.get("dur")]
@@ -112,11 +114,9 @@ def host_summary(trace_path: str, top: int = 25) -> str:
   return "\n".join(lines)
 
 
-def tick_table(trace_path: str, gpus: list[int]) -> str:
+def tick_table(events: list[dict], gpus: list[int]) -> str:
   """Per GPU, the stretches between consecutive NCCL kernels (a pipeline's ticks end in
   one): compute-busy, idle and NCCL time of each, to see which rank waits in which tick."""
-  with gzip.open(trace_path, "rt") as f:
-    events = json.load(f)["traceEvents"]
   lines = []
   for gpu in gpus:
     pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -190,12 +190,13 @@ def main():
     loss.block_until_ready()
   newest = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
                key=os.path.getmtime)
+  events = load_trace(newest)
   for gpu in args.gpus.split(","):
-    print(summarize(newest, named=args.named, gpu=int(gpu)), flush=True)
+    print(summarize(events, named=args.named, gpu=int(gpu)), flush=True)
   if args.ticks:
-    print(tick_table(newest, [int(g) for g in args.gpus.split(",")]), flush=True)
+    print(tick_table(events, [int(g) for g in args.gpus.split(",")]), flush=True)
   if args.host:
-    print(host_summary(newest), flush=True)
+    print(host_summary(events), flush=True)
   if args.keep:
     import shutil
     shutil.copy(newest, os.path.join(args.out, "trace.json.gz"))

@@ -56,7 +56,7 @@ def test_profile_summary(tmp_path):
   # GPU's kernels, gaps are the idle stretches between them.
   import gzip
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  from profile_step import summarize
+  from profile_step import load_trace, summarize
   meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
           {"ph": "M", "name": "process_name", "pid": 8, "args": {"name": "/device:GPU:1"}}]
   kernels = [{"ph": "X", "pid": 7, "tid": 1, "ts": 0, "dur": 100, "name": "gemm_12"},
@@ -66,12 +66,13 @@ def test_profile_summary(tmp_path):
   path = tmp_path / "t.trace.json.gz"
   with gzip.open(path, "wt") as f:
     json.dump({"traceEvents": meta + kernels}, f)
-  text = summarize(str(path))
+  events = load_trace(str(path))
+  text = summarize(events)
   assert "3 kernels over 0.4 ms: busy 0.2 ms (38%)" in text, text
   assert "largest idle gaps (us): 250" in text
   assert "gemm_#" in text and "other_gpu" not in text
-  assert "100.0 ms" not in text and "0.1 ms x1      gemm_12" in summarize(str(path), named=3)
-  assert "GPU:1 1 kernels over 1.0 ms" in summarize(str(path), gpu=1)
+  assert "100.0 ms" not in text and "0.1 ms x1      gemm_12" in summarize(events, named=3)
+  assert "GPU:1 1 kernels over 1.0 ms" in summarize(events, gpu=1)
   # host_summary groups the events of the processes that are not GPUs.
   from profile_step import host_summary
   host = [{"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}},
@@ -79,7 +80,7 @@ def test_profile_summary(tmp_path):
           {"ph": "X", "pid": 9, "tid": 1, "ts": 400, "dur": 100, "name": "cuGraphLaunch (CudaGraph:7)"}]
   with gzip.open(path, "wt") as f:
     json.dump({"traceEvents": meta + kernels + host}, f)
-  text = host_summary(str(path))
+  text = host_summary(load_trace(str(path)))
   assert "host: 2 events" in text and "0.4 ms x2      cuGraphLaunch (CudaGraph:#)" in text, text
   assert "gemm" not in text
   # tick_table cuts a GPU's timeline at its NCCL kernels (a pipeline's ticks end in one).
@@ -88,7 +89,7 @@ def test_profile_summary(tmp_path):
                           "name": "ncclDevKernel_SendRecv"}] + kernels[2:3]
   with gzip.open(path, "wt") as f:
     json.dump({"traceEvents": meta + ticks}, f)
-  rows = tick_table(str(path), [0]).splitlines()
+  rows = tick_table(load_trace(str(path)), [0]).splitlines()
   assert rows[1].split()[:5] == ["0.00", "0.15", "0.15", "0.05", "2"], rows
   assert rows[2].split()[:2] == ["0.35", "0.01"], rows
 
