@@ -101,7 +101,7 @@ class GradientSums:
 
   def collective(self, op, x, *args, keep_dtype: bool = True, **kwargs):
     """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
-    tuple), run in `reduce_dtype` where there is one; the result is cast back to x's
+    tuple), computed in `reduce_dtype` where there is one; the result is cast back to x's
     dtype unless `keep_dtype` is False."""
     dt = self.reduce_dtype
     if dt is None:
@@ -160,7 +160,7 @@ class GradientSums:
     in `dtype` if given (a reduction's dtype: the cast fuses into the copy of each leaf),
     through `switch` (one branch per pipeline rank). `materialize`: each raveled leaf is
     computed on its own (an optimization barrier) instead of fused into the segment's
-    concatenate, whose GPU emitter can run a fused bias-gradient reduction with one
+    concatenate, whose GPU emitter can produce a fused bias-gradient reduction with one
     thread per column, slow enough to matter per step."""
     keys = self.segment_keys(grads)
     return switch([lambda g, r=r: self.assemble_rank(r, g, keys, dtype, materialize)
