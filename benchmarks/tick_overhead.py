@@ -8,9 +8,10 @@ rank's task with `lax.switch`, sends what a tick made to the next rank with
 `lax.ppermute`, and writes it into a store at a dynamic row. This times that loop's
 parts apart, in one shard_map over all devices, each variant a program of its own:
 
-  plain            the same kernels every iteration: no switch, no exchange
+  plain            every branch in turn, without a switch or an exchange (an iteration
+                   runs them all, as so many ticks, over as many fewer iterations)
   switch           each rank's branch chosen from a table, as the pipeline loop does
-  permute          no switch; each iteration sends its output to the next rank
+  permute          no switch; each tick sends its output to the next rank
   switch+permute   both: the pipeline loop's tick
   overlap          switch+permute, each iteration sending the previous one's output, so
                    that the exchange may run beside the switch (a message a tick late)
@@ -19,7 +20,9 @@ parts apart, in one shard_map over all devices, each variant a program of its ow
 each compiled with piper-jax's pipeline options (`Program.compiler_options`: the
 conditional and the loop as CUDA graphs) and with XLA's own (`+xla`). `--branches`, `--slots` and
 `--rounds` give the switch as many branches as a pipeline's task kinds, an inner loop
-of that many switches per iteration, and that many exchanges. A branch is
+of that many switches per iteration, and that many exchanges; `--acc` carries fp32
+gradient sums of every layer that the odd branches add their weight gradients to, as a
+pipeline's backward does. A branch is
 `--layers` bf16 matmuls of `--rows` x `--width` with a normalisation between them (a few
 kernels each, as a transformer block's are); the two branches cost the same (one reads
 the weights transposed, each scales by its own constant), and the ranks take them in turn. It prints, per variant, the median step
@@ -40,8 +43,9 @@ VARIANTS = ("plain", "switch", "permute", "switch+permute", "overlap", "unrolled
 
 
 def build(variant: str, devices, layers: int, rows: int, width: int, iters: int,
-          compiler_options: dict, n_branches: int = 2, slots: int = 1, rounds: int = 1):
-  """A jitted step(x, ws) -> (y, store) running `variant`'s loop on `devices`."""
+          compiler_options: dict, n_branches: int = 2, slots: int = 1, rounds: int = 1,
+          acc: bool = False):
+  """A jitted step(x, ws) -> (y, store, grad sums) running `variant`'s loop on `devices`."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -53,58 +57,69 @@ def build(variant: str, devices, layers: int, rows: int, width: int, iters: int,
   table = np.array([[[(i * slots + s + r) % n_branches for s in range(slots)]
                      for i in range(iters)] for r in range(n)], np.int32)
 
-  def layer_stack(x, ws, b):
+  def layer_stack(xg, ws, b):
+    x, g = xg
     for k in range(layers):
       h = (x @ (ws[k].T if b % 2 else ws[k])) * (1.0 + b / 64)
       h = h * lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True)
                         + 1e-6).astype(h.dtype)
+      if acc and b % 2:  # a backward's weight gradient, added to the step's sum
+        g = g.at[k].add(lax.dot_general(x, h, (((0,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32))
       x = x + jax.nn.gelu(h)
-    return x
+    return x, g
 
-  branches = [lambda x, ws, b=b: layer_stack(x, ws, b) for b in range(n_branches)]
+  branches = [lambda xg, ws, b=b: layer_stack(xg, ws, b) for b in range(n_branches)]
   switch = "switch" in variant or variant in ("unrolled", "overlap")
   permute = "permute" in variant or variant in ("unrolled", "overlap")
   perm = [(j, (j + 1) % n) for j in range(n)]
 
-  def run_slots(i, x, ws, tab):
-    if not switch:
-      for _ in range(slots):
-        x = branches[0](x, ws)
-      return x
+  def run_slots(i, xg, ws, tab):
     if slots == 1:
-      return lax.switch(tab[0, i, 0], branches, x, ws)
-    return lax.fori_loop(0, slots, lambda s, x: lax.switch(tab[0, i, s], branches, x, ws), x)
+      return lax.switch(tab[0, i, 0], branches, xg, ws)
+    return lax.fori_loop(0, slots, lambda s, xg: lax.switch(tab[0, i, s], branches, xg, ws), xg)
 
   def exchange(y):
     for k in range(rounds):  # the later rounds the other way, as a backward's messages go
       y = lax.ppermute(y, "pp", perm if k % 2 == 0 else [(b, a) for a, b in perm])
     return y
 
-  def tick(i, x, store, ws, tab):
-    y = run_slots(i, x, ws, tab)
-    if permute:
-      y = exchange(y)
-    store = lax.dynamic_update_slice(store, y[None], (i % store.shape[0], 0, 0))
-    return y, store
+  def tick(i, x, g, store, ws, tab):
+    # Without a switch an iteration runs every branch in turn, each a tick of its own.
+    for b in (None,) if switch else range(n_branches):
+      if b is None:
+        y, g = run_slots(i, (x, g), ws, tab)
+      else:
+        y = x
+        for _ in range(slots):
+          y, g = branches[b]((y, g), ws)
+      if permute:
+        y = exchange(y)
+      store = lax.dynamic_update_slice(store, y[None], (i % store.shape[0], 0, 0))
+      x = y
+    return x, g, store
 
   def body(x, ws, tab):
     store = jnp.zeros((4,) + x.shape, x.dtype)
+    g = jnp.zeros((layers, width, width) if acc else (1,), jnp.float32)
+    n_iter = iters if switch else iters // n_branches
     if variant == "unrolled":
       for i in range(iters):
-        x, store = tick(i, x, store, ws, tab)
-      return x, store
+        x, g, store = tick(i, x, g, store, ws, tab)
+      return x, store, g
     if variant == "overlap":
       def late(i, c):
-        x, pending, store = c
-        y = run_slots(i, x, ws, tab)
+        x, g, pending, store = c
+        y, g = run_slots(i, (x, g), ws, tab)
         store = lax.dynamic_update_slice(store, y[None], (i % store.shape[0], 0, 0))
-        return exchange(pending), y, store
-      x, _, store = lax.fori_loop(0, iters, late, (x, x, store))
-      return x, store
-    return lax.fori_loop(0, iters, lambda i, c: tick(i, *c, ws, tab), (x, store))
+        return exchange(pending), g, y, store
+      x, g, _, store = lax.fori_loop(0, iters, late, (x, g, x, store))
+      return x, store, g
+    x, g, store = lax.fori_loop(0, n_iter, lambda i, c: tick(i, *c, ws, tab), (x, g, store))
+    return x, store, g
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(P("pp"), P(), P("pp")),
-                     out_specs=(P("pp"), P(None, "pp")), check_vma=False)
+                     out_specs=(P("pp"), P(None, "pp"), P("pp")), check_vma=False)
   step = jax.jit(fn, compiler_options=compiler_options or None)
   key = jax.random.PRNGKey(0)
   x = jax.device_put(jax.random.normal(key, (n * rows, width), jnp.bfloat16),
@@ -142,6 +157,9 @@ def main(argv=None):
                   help="switches per iteration, in an inner loop (tasks a rank runs per tick)")
   ap.add_argument("--rounds", type=int, default=1,
                   help="ppermutes per iteration, alternating direction")
+  ap.add_argument("--acc", action="store_true",
+                  help="carry fp32 weight-gradient sums of every layer through the loop, added "
+                       "to by the odd branches (a backward), passed through by the others")
   ap.add_argument("--options", choices=("both", "pj", "xla"), default="both",
                   help="compile with piper-jax's pipeline options, XLA's, or both")
   ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -165,7 +183,7 @@ def main(argv=None):
     for opts_name in (names if gpu else ("xla",)):
       opts = dict(PIPELINE_XLA_OPTIONS) if opts_name == "pj" else {}
       step, inputs = build(variant, devices, args.layers, args.rows, args.width, args.iters, opts,
-                           args.branches, args.slots, args.rounds)
+                           args.branches, args.slots, args.rounds, args.acc)
       times = time_variant(step, inputs, args.reps)
       rows.append({"variant": variant if opts_name == "pj" else variant + "+xla",
                    "step_ms": statistics.median(times), "times_ms": times})
@@ -173,7 +191,7 @@ def main(argv=None):
   base = {r["variant"].endswith("+xla"): r["step_ms"] for r in rows if r["variant"].startswith("plain")}
   print(f"\n{len(devices)} x {devices[0].device_kind}, {args.iters} iterations of {args.slots} "
         f"slot(s) over {args.branches} branches of {args.layers} layers of {args.rows} x "
-        f"{args.width}, {args.rounds} round(s)")
+        f"{args.width}, {args.rounds} round(s)" + (", gradient sums carried" if args.acc else ""))
   print(f"{'variant':>22} | step ms | ms per iteration over plain")
   for r in rows:
     plain = base.get(r["variant"].endswith("+xla"))
