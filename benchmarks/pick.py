@@ -28,7 +28,7 @@ import run  # noqa: E402
 def variant_of(c) -> str | None:
   """run.py's variant for a search candidate (None for accumulation without a pipeline,
   and for expert parallelism over ZeRO without one, which run.py has no variant for)."""
-  ep = any(word.startswith("ep") for word in c.name.split())  # "dp4 zero0 ep4"
+  ep = c.plan.mesh.size("ep") > 1  # its expert regions split over devices
   if c.schedule == "dp":
     if c.n_microbatches > 1 or (ep and c.zero):
       return None

@@ -266,9 +266,10 @@ def test_pick_names_run_variants_of_search_candidates():
   import types
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import pick
-  c = lambda schedule, dp, zero, mb, ep="": types.SimpleNamespace(
+  mesh = lambda ep: types.SimpleNamespace(size=lambda axis: ep if axis == "ep" else 1)
+  c = lambda schedule, dp, zero, mb, ep=False: types.SimpleNamespace(
       schedule=schedule, dp=dp, zero=zero, n_microbatches=mb,
-      name=f"{schedule} x dp{dp} zero{zero}" + (f" ep{dp}" if ep else ""))
+      plan=types.SimpleNamespace(mesh=mesh(dp if ep else 1)))
   assert pick.variant_of(c("dp", 4, 1, 1)) == "zero1" and pick.variant_of(c("dp", 4, 0, 1)) == "dp"
   assert pick.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
   assert pick.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
