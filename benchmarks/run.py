@@ -379,6 +379,53 @@ def timed_regions(loss_fn, params, batch, plan, remat: bool, cache: str):
   return pj.calibrate(loss_fn, params, batch, rows, remat=remat, cache=cache), rows
 
 
+def baseline_call(base: str, devices, loss_fn, tx, params, microbatches: int, pp: int,
+                  batch: int):
+  """A plain-JAX baseline's jitted step on `devices` and its (params, optimizer state,
+  batch) shardings; `params` may be shapes."""
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  n = len(devices)
+
+  def train_step(state, b, mean=lambda x: x, accumulate=1):
+    p, o = state
+    loss, grads = mean(accumulated_value_and_grad(loss_fn, accumulate)(p, b))
+    updates, o = tx.update(grads, o, p)
+    return (optax.apply_updates(p, updates), o), loss
+
+  mesh = Mesh(np.array(devices), ("d",))
+  rep_sh, bsh = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+  if base in ("shmap-dp", "shmap-accum"):
+    # Data parallel as a JAX user writes it with shard_map: each device runs the loss
+    # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
+    from jax import lax
+    from piper_jax.lowering.compat import shard_map
+    accumulate = 1
+    if base == "shmap-accum":  # a pipeline device's rows per task at a time
+      accumulate = microbatches // pp
+      if microbatches % pp or batch % n or (batch // n) % accumulate:
+        raise ValueError(
+            f"shmap-accum splits each device's {batch}/{n} rows into --microbatches / --pp "
+            f"= {microbatches}/{pp} microbatches: pick numbers that divide evenly")
+    local_step = lambda state, b: train_step(state, b, mean=lambda x: lax.pmean(x, "d"),
+                                             accumulate=accumulate)
+    call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
+                   donate_argnums=0)
+    rep = lambda t: jax.tree_util.tree_map(lambda _: rep_sh, t)
+    return call, (rep(params), rep(jax.eval_shape(tx.init, params)), bsh)
+  opt_shapes = jax.eval_shape(tx.init, params)
+  if base == "jit-dp":
+    psh, osh = (jax.tree_util.tree_map(lambda _: rep_sh, t) for t in (params, opt_shapes))
+  else:
+    psh, osh = fsdp_shardings(params, mesh), fsdp_shardings(opt_shapes, mesh)
+  call = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
+                 donate_argnums=0)
+  return call, (psh, osh, bsh)
+
+
 def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
               zero: int = 0, attention: str | None = None, seq_len: int = 0, layers: int = 0,
               calibrate: str | None = None):
@@ -390,9 +437,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   its microbatch rows: "sim_timed_ms").
   """
   import jax
-  import numpy as np
   import optax
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import piper_jax as pj
 
@@ -411,44 +456,9 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
   batches = [family.random_batch(config, jax.random.PRNGKey(i), batch) for i in range(4)]
   sim = {}
 
-  def train_step(state, b, mean=lambda x: x, accumulate=1):
-    p, o = state
-    loss, grads = mean(accumulated_value_and_grad(loss_fn, accumulate)(p, b))
-    updates, o = tx.update(grads, o, p)
-    return (optax.apply_updates(p, updates), o), loss
-
-  if base in ("shmap-dp", "shmap-accum"):
-    # Data parallel as a JAX user writes it with shard_map: each device runs the loss
-    # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
-    from jax import lax
-    from piper_jax.lowering.compat import shard_map
-    mesh = Mesh(np.array(devices), ("d",))
-    accumulate = 1
-    if base == "shmap-accum":  # a pipeline device's rows per task at a time
-      accumulate = microbatches // pp
-      if microbatches % pp or batch % n or (batch // n) % accumulate:
-        raise ValueError(
-            f"shmap-accum splits each device's {batch}/{n} rows into --microbatches / --pp "
-            f"= {microbatches}/{pp} microbatches: pick numbers that divide evenly")
-    local_step = lambda state, b: train_step(state, b, mean=lambda x: lax.pmean(x, "d"),
-                                             accumulate=accumulate)
-    call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
-                   donate_argnums=0)
-    rep_sh = NamedSharding(mesh, P())
-    p = jax.device_put(params, rep_sh)
-    state = (p, jax.jit(tx.init, out_shardings=rep_sh)(p))
-    batches = [jax.device_put(b, NamedSharding(mesh, P("d"))) for b in batches]
-  elif base in BASELINES:
-    mesh = Mesh(np.array(devices), ("d",))
-    opt_shapes = jax.eval_shape(tx.init, params)
-    if base == "jit-dp":
-      psh, osh = (jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), t)
-                  for t in (params, opt_shapes))
-    else:
-      psh, osh = fsdp_shardings(params, mesh), fsdp_shardings(opt_shapes, mesh)
-    bsh = NamedSharding(mesh, P("d"))
-    call = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
-                   donate_argnums=0)
+  if base in BASELINES:
+    call, (psh, osh, bsh) = baseline_call(base, devices, loss_fn, tx, params, microbatches, pp,
+                                          batch)
     p = jax.device_put(params, psh)
     state = (p, jax.jit(tx.init, out_shardings=osh)(p))
     batches = [jax.device_put(b, bsh) for b in batches]

@@ -55,6 +55,12 @@ def _from_stored(fn, ad: RegionAD, split: BackwardSplit):
   return run
 
 
+def _waits_for(x: jax.Array, after: jax.Array) -> jax.Array:
+  """`x`, computed after `after` (a scalar): adds exactly 0 (isfinite is 0 or 1), a data
+  dependency XLA keeps where it drops optimization barriers before merging collectives."""
+  return x + 0 * jnp.isfinite(after).astype(x.dtype)
+
+
 @dataclasses.dataclass
 class _State:
   """What a step's ticks pass on: arrays by location, gradient sums, the loss."""
@@ -381,8 +387,8 @@ class Program:
       if (key, to) not in got:  # a segment gathered whole is cast, not gathered again
         whole = got.get((key, key[1]))
         shard = layout.local_segment(params, *key)
-        if after is not None:  # adds exactly 0 (isfinite is 0 or 1): XLA keeps the wait
-          shard = shard + 0 * jnp.isfinite(after).astype(shard.dtype)
+        if after is not None:
+          shard = _waits_for(shard, after)
         got[(key, to)] = (whole.astype(to) if whole is not None else lax.all_gather(
             shard.astype(to), self.data_axes, tiled=True))
       return got[(key, to)]
@@ -437,7 +443,7 @@ class Program:
     if zero == 3 and self.options.zero3_reshard:  # later ticks' gathers wait for this one
       made = [x for x in [*keep, *(y for r in rounds for y in r), *grads.values()] if x.size]
       if made:
-        st.loss = st.loss + 0 * jnp.isfinite(made[0].reshape(-1)[0]).astype(st.loss.dtype)
+        st.loss = _waits_for(st.loss, made[0].reshape(-1)[0])
     for pos, x in enumerate(keep):
       st.arrays[Kept(tick_i, pos)] = x
     for ri, (rnd, payload) in enumerate(zip(info.rounds, rounds)):
@@ -465,7 +471,7 @@ class Program:
     """x, a collective's result; under `order_collectives` the next tick's switch waits
     for it (the loss, which the switch reads, adds exactly 0: isfinite is 0 or 1)."""
     if self.order_collectives and x.size:
-      st.loss = st.loss + 0 * jnp.isfinite(x.reshape(-1)[0]).astype(st.loss.dtype)
+      st.loss = _waits_for(st.loss, x.reshape(-1)[0])
     return x
 
   def _loop(self, w: Window, st: "_State", params: dict, batch: list):

@@ -330,3 +330,24 @@ def test_predict_estimates_expert_parallel_rows(tmp_path):
     assert p["predicted_gib"] > 0 and p["predicted_ms"] > 0 and p["measured_ms"] > 0
   # The pipeline's devices hold half the layers: fewer parameters than DP x EP's.
   assert out["pp-1f1b+ep"]["params_gib"] < out["dp+ep"]["params_gib"]
+
+
+@pytest.mark.timeout(300)
+def test_compile_only_counts_memory_without_running(tmp_path):
+  # compile_only.py builds run.py's variants on shapes and compiles them: XLA's count of
+  # each program's memory, no step run; its baselines are run.py's own jitted steps.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import compile_only
+  out = tmp_path / "compile.json"
+  rows = compile_only.main(["--small", "--pp", "2", "--batch", "32", "--microbatches", "4",
+                            "--variants", "jit-dp,shmap-dp,pp-1f1b@z1,pp-nope", "--out", str(out)])
+  assert [r["variant"] for r in rows] == ["jit-dp", "shmap-dp", "pp-1f1b@z1", "pp-nope"]
+  for r in rows[:3]:
+    assert "error" not in r, r
+    assert r["compile_s"] > 0 and r["xla_gib"] > 0 and r["devices"] == 8
+  assert rows[0]["build_s"] == 0 and rows[2]["build_s"] > 0 and rows[2]["microbatches"] == 4
+  # Data parallel keeps every parameter and optimizer state on each device; 1F1B over 2
+  # ranks half of them.
+  assert rows[2]["memory"]["arguments"] < rows[0]["memory"]["arguments"]
+  assert "error" in rows[3]  # a row that does not build says why; the others still ran
+  assert json.loads(out.read_text())["rows"][2]["variant"] == "pp-1f1b@z1"
