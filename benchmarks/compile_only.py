@@ -7,7 +7,7 @@ each program's memory per device, for as many GPUs as a plan needs, on one.
 
 `--mock-gpus N` makes JAX see N GPUs of N processes while this machine has one (JAX's
 mock GPU topology): XLA compiles the program one of them runs, autotuning on the local
-GPU, and nothing is run or allocated. So a 4- or 8-GPU plan's compile time and memory are
+GPU; nothing runs and nothing is allocated. So a 4- or 8-GPU plan's compile time and memory are
 measured on a machine with one GPU. Each variant is built as run.py builds it, on
 parameter and batch shapes: plain-JAX baselines as `jax.jit(...).lower(...).compile()`,
 piper-jax ones as `pj.compile` (`build_s`, tracing, planning and region analysis) then
