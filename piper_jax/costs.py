@@ -21,6 +21,7 @@ from piper_jax.calibrate import RegionTimes
 from piper_jax.ir.directives import Directive
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
+from piper_jax.lowering.layout import ParamLayout
 from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.options import LoweringOptions
 from piper_jax.lowering.program import lowers_as_loop
@@ -116,6 +117,7 @@ class MeasuredModel:
   ep_regions: frozenset[int] = frozenset()  # regions annotated "EP" (experts)
   n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
   tp_size: int = 0                  # gcd of the dimensions named "tp" (0: none)
+  casts: Mapping[int, str] = dataclasses.field(default_factory=dict)  # leaf -> dtype it is read in
   # remat -> region -> bytes kept from F for B, analysed on first use.
   _act_bytes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -148,10 +150,11 @@ def measure_model(loss_fn, optimizer, params, example_batch) -> MeasuredModel:
                          for p in spec.regions[r].params if spec.params[p].shape])
   tp_size = math.gcd(*[s.shape[d] for s in spec.params if s.names
                        for d, name in enumerate(s.names) if name == "tp"])
+  casts = traced.param_casts()
   copy_ratio = {p: np.dtype(to).itemsize / np.dtype(spec.params[p].dtype).itemsize
-                for p, to in traced.param_casts().items()}
+                for p, to in casts.items()}
   return MeasuredModel(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1), copy_ratio,
-                RegionRunner(traced), ep_regions, n_experts, tp_size)
+                RegionRunner(traced), ep_regions, n_experts, tp_size, dict(casts))
 
 
 # -- estimates ---------------------------------------------------------------------
@@ -187,6 +190,10 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     # One program for every rank: each device allocates the stores of the rank that
     # keeps the most.
     acts_of = [max(acts_of)] * mesh.n_pp
+  # A pipeline's parameters are stacked over its ranks slot by slot, each slot as large
+  # as its largest rank's part: every device holds that, not only its own rank's leaves
+  # (interleaved 1F1B with the embedding on the first rank and the head on the last).
+  stacked = _stacked_bytes(model, plan, options) if mesh.n_pp > 1 else None
   for rank in range(mesh.n_pp):
     regions = plan.rank_regions(rank)
     # Leaves split over an expert or tensor group: each device holds 1/group of them,
@@ -212,9 +219,10 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     masters = (options.shard_masters and options.cast_weights and zero in (1, 2) and n > 1
                and cast > 0)
     copies = cast if masters or (pipelined and zero < 3) else 0
-    params = int(p_bytes / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
+    held = p_bytes if stacked is None else stacked  # parameters and optimizer state
+    params = int(held / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
     grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))
-    opt = int((p_bytes / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
+    opt = int((held / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
     acts = acts_of[rank]
     # A backward under remat first recomputes what its forward dropped.
@@ -256,6 +264,21 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   # loop reduces after its last tick and waits for its messages each tick.
   step = compute + comm if pipelined else max(compute, comm)
   return step, compute, comm, report.bubble_fraction, peak
+
+
+def _stacked_bytes(model: MeasuredModel, plan: Plan, options: LoweringOptions) -> int:
+  """Bytes per device of the parameters' stacked slots, whole (before ZeRO shards them),
+  as `ParamLayout` lays them out; leaves split over expert or tensor groups aside."""
+  mesh = plan.mesh
+  split = {p: (d, mesh.sharded[r]) for r, dims in mesh.split_dims.items() for p, d in dims.items()}
+  layout = ParamLayout(model.spec, plan, split, model.casts if options.cast_weights else {},
+                       options)
+  shapes = layout.shapes()
+  nbytes = lambda s: math.prod(s.shape) * np.dtype(s.dtype).itemsize
+  # A slot is [ranks, replicas, chunk] (or, spread, [devices, share]): one rank's part per
+  # device; the shared segment, [replicas, chunk], is on every device.
+  return int(sum(nbytes(s) // s.shape[0] for slots in shapes["slots"].values() for s in slots)
+             + sum(nbytes(s) for s in shapes["shared"].values()))
 
 
 def _tokens(spec) -> int:

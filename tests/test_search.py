@@ -289,9 +289,10 @@ def test_one_loop_holds_the_largest_ranks_activations_on_every_device():
   loop = pj.strategies.estimate(loss, tx, params, batch, directives, 2).memory
   tick = pj.strategies.estimate(loss, tx, params, batch, directives, 2,
                                 options=pj.LoweringOptions(tick_loop=False)).memory
-  # Both peak on the last rank (its parameters); with the loop it also holds the
+  # Both peak on the last rank (its parameters: the stacked slot is as large as its
+  # part, plus the empty shared segment's one float); with the loop it also holds the
   # first rank's activations.
-  assert tick.params == loop.params == 4 << 20
+  assert tick.params == loop.params == (4 << 20) + 4
   assert loop.activations > 4 * tick.activations and loop.total > tick.total
 
 
@@ -319,3 +320,38 @@ def test_distributed_optimizer_shards_the_masters_and_gathers_the_bf16_copy():
   held = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state)
              for s in x.addressable_shards if s.device == jax.devices()[0])
   assert held == pytest.approx(m.params + m.optimizer, rel=0.05)
+
+
+@pytest.mark.timeout(120)
+def test_stacked_slots_hold_the_largest_ranks_part_on_every_device():
+  # Interleaved 1F1B on 2 ranks: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3.
+  # The first stage's embedding and the last one's head sit in different slots of
+  # different ranks, and stacking pads each slot to its largest rank's part: every
+  # device holds both, as the compiled step's state shows.
+  import jax.numpy as jnp
+
+  def loss(params, batch):
+    with pj.annotate("PP"):
+      x = jnp.tanh(batch["x"] @ params["embed"])
+    for s in range(2):
+      with pj.annotate("PP"):
+        x = x + jnp.tanh(x @ params[f"w{s}"])
+    with pj.annotate("PP"):
+      x = x @ params["head"]
+    return jnp.mean((x - batch["y"]) ** 2)
+
+  k = jax.random.split(jax.random.PRNGKey(0), 6)
+  params = {"embed": jax.random.normal(k[0], (512, 64)) * 0.05,   # the large leaves
+            "head": jax.random.normal(k[1], (64, 512)) * 0.05,
+            "w0": jax.random.normal(k[2], (64, 64)) * 0.1, "w1": jax.random.normal(k[3], (64, 64)) * 0.1}
+  batch = {"x": jax.random.normal(k[4], (32, 512)), "y": jax.random.normal(k[5], (32, 512))}
+  tx = optax.adam(1e-3)
+  directives = pj.strategies.pipeline(4, 4, "interleaved")
+  m = pj.strategies.estimate(loss, tx, params, batch, directives, 2).memory
+  own = max(params["embed"].nbytes + params["w1"].nbytes, params["w0"].nbytes + params["head"].nbytes)
+  assert m.params >= params["embed"].nbytes + params["head"].nbytes > own
+  step = pj.compile(loss, tx, directives, params, batch, devices=jax.devices()[:2])
+  state = step.init(params)
+  held = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state)
+             for s in x.addressable_shards if s.device == jax.devices()[0])
+  assert held == pytest.approx(m.params + m.optimizer, rel=0.02)
