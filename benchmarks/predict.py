@@ -2,7 +2,8 @@
 
   python benchmarks/predict.py benchmarks/raw/2026-11-27_h200x2_1.3b_dp_zero.json
 
-For each piper-jax row of a file,
+For each piper-jax row of a file (run.py's, or compile_only.py's, whose measured memory is
+XLA's count and which have no step time),
 `pj.strategies.estimate` of the same directives on the row's devices, from shapes:
 peak memory per device against the measured `peak_gib`, and the step time against the
 measured one, with matmuls at the FLOP/s the same call's `jit-dp` row (else its
@@ -32,13 +33,14 @@ import run  # noqa: E402
 def baseline_costs(rows: list[dict], link_bytes_per_s: float):
   """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached, that
   baseline's row): jit DP, else GSPMD FSDP where DP does not fit, else shard_map DP (the
-  MoE's); (the default FLOP/s, None) for a call without one."""
+  MoE's); (the default FLOP/s, None) for a call without one that ran (compile_only.py's
+  rows have no FLOP/s)."""
   import piper_jax as pj
   from hardware import peak_flops
   base = next((r for name in ("jit-dp", "gspmd-fsdp", "shmap-dp") for r in rows
-               if r["variant"] == name and "error" not in r), None)
-  if base is None or not base.get("mfu"):
-    return pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s), base
+               if r["variant"] == name and "error" not in r and r.get("mfu")), None)
+  if base is None:
+    return pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s), None
   return pj.strategies.CostModel(flops_per_s=base["mfu"] * peak_flops(base["device_kind"]),
                                  link_bytes_per_s=link_bytes_per_s), base
 
@@ -99,12 +101,14 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
           options=run.lowering_options(mods))
       timed_ms = timed.step_time * 1e3
     out.append({"file": os.path.basename(path), "model": model, "variant": variant,
-                "measured_gib": r.get("peak_gib"), "predicted_gib": m.total / 2**30,
+                # compile_only.py's rows ran nothing: XLA's count is what they measured.
+                "measured_gib": r.get("peak_gib") or r.get("xla_gib"),
+                "predicted_gib": m.total / 2**30,
                 "params_gib": m.params / 2**30, "grads_gib": m.grads / 2**30,
                 "optimizer_gib": m.optimizer / 2**30, "activations_gib": m.activations / 2**30,
                 "copies_gib": m.weight_copies / 2**30, "working_gib": m.working / 2**30,
                 "grads_with_activations": m.grads_with_activations,
-                "measured_ms": r["step_ms"],
+                "measured_ms": r.get("step_ms"),
                 "predicted_ms": est.step_time * 1e3 if base is not None else None,
                 "calibrated_ms": timed_ms})
   return out
@@ -112,7 +116,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("files", nargs="+", help="raw JSON files of run.py")
+  ap.add_argument("files", nargs="+", help="raw JSON files of run.py or compile_only.py")
   ap.add_argument("--link-gbps", type=float, default=300.0,
                   help="bytes per second one GPU sends, in GB/s (NVLink hosts: ~300)")
   ap.add_argument("--seq-len", type=int, default=0,
@@ -137,7 +141,7 @@ def main(argv=None):
       pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
       measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"
       print(f"| {p['model']} | {p['variant']} | {measured} | {p['predicted_gib']:.2f} ({parts}) "
-            f"| {p['measured_ms']:.1f} | {pred_ms} | "
+            f"| {'-' if p['measured_ms'] is None else format(p['measured_ms'], '.1f')} | {pred_ms} | "
             f"{'-' if p['calibrated_ms'] is None else format(p['calibrated_ms'], '.1f')} |",
             flush=True)
 

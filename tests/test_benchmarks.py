@@ -330,6 +330,13 @@ def test_predict_estimates_expert_parallel_rows(tmp_path):
     assert p["predicted_gib"] > 0 and p["predicted_ms"] > 0 and p["measured_ms"] > 0
   # The pipeline's devices hold half the layers: fewer parameters than DP x EP's.
   assert out["pp-1f1b+ep"]["params_gib"] < out["dp+ep"]["params_gib"]
+  # compile_only.py's rows ran nothing: XLA's count stands for the measured memory.
+  raw.write_text(json.dumps({"meta": {"batch": 8, "microbatches": 4, "pp": 2},
+                             "rows": [{"variant": "pp-1f1b+ep", "model": "qwen3-moe-tiny",
+                                       "devices": 4, "xla_gib": 0.07, "attention": "xla"}]}))
+  (p,) = predict.predict(str(raw), 300e9)
+  assert p["measured_gib"] == 0.07 and p["measured_ms"] is None and p["predicted_ms"] is None
+  assert p["predicted_gib"] == out["pp-1f1b+ep"]["predicted_gib"]
 
 
 @pytest.mark.timeout(300)
