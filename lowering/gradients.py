@@ -147,6 +147,28 @@ class GradientSums:
                             tiled=True)
         acc[key] = acc[key] + x.astype(key[1])
 
+  def tick_sums(self, rank: int, grads: dict[int, jax.Array], positions, old: dict,
+                filler: Callable) -> dict[int, jax.Array]:
+    """The per-tick program's sums after rank `rank`'s part of a tick, at `positions`
+    (those any rank adds to in the tick): `old` plus its gradients (leaf -> array) where
+    it made some, its sum passed through where it made none, and at a position it does
+    not own (another rank's leaves, shared by size) `filler(signature)`: an array nobody
+    reads, which is never assembled and needs no copy."""
+    by_pos = {self.where[(rank, p)]: g for p, g in grads.items()}
+    out = {}
+    for pos in positions:
+      g, prev, sig = by_pos.get(pos), old.get(pos), self.positions[pos]
+      if g is not None:
+        g = g.astype(sig[1])
+        if pos < self.split0:  # per-leaf sums are flat; split pieces keep their shape
+          g = jnp.ravel(g)
+        out[pos] = g if prev is None else prev + g
+      elif pos < self.split0 and pos not in self.owned[rank]:
+        out[pos] = filler(sig)
+      else:
+        out[pos] = zeros_of(sig) if prev is None else prev
+    return out
+
   def segment_keys(self, positions) -> list[tuple]:
     """The (slot, dtype) segments that gradients at `positions` (any rank's) fall in."""
     layout = self.layout

@@ -683,22 +683,7 @@ class Program:
 
       keep = fill(keep_pos, keep_where)
       rounds = [fill(rnd.positions, rnd.where) for rnd in info.rounds]
-      # The tick's gradients added to the sums passed in; a rank that makes none for a
-      # position it owns passes its sum through; positions it does not own (another
-      # rank's leaves, shared by shape) are never assembled and need no copy.
-      by_pos = {self.grads.where[(rank, p)]: g for p, g in grad_acc.items()}
-      grads = {}
-      for pos in info.grads:
-        g, old = by_pos.get(pos), ops["acc"].get(pos)
-        if g is not None:
-          g = g.astype(self.grads.positions[pos][1])
-          if pos < self.grads.split0:  # per-leaf sums are flat; split pieces keep their shape
-            g = jnp.ravel(g)
-          grads[pos] = g if old is None else old + g
-        elif pos < self.grads.split0 and pos not in self.grads.owned[rank]:
-          grads[pos] = filler(self.grads.positions[pos])
-        else:
-          grads[pos] = zeros_of(self.grads.positions[pos]) if old is None else old
+      grads = self.grads.tick_sums(rank, grad_acc, info.grads, ops["acc"], filler)
       if "after" in ops:  # ordering only (`_tick`'s in_order); a non-finite loss stays so
         loss = loss + 0 * ops["after"]
       return keep, rounds, grads, loss
