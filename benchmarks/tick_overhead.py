@@ -202,7 +202,8 @@ def main(argv=None):
   if out:
     with open(out, "w") as f:
       json.dump({"devices": len(devices), "device_kind": devices[0].device_kind,
-                 "args": vars(args), "rows": rows}, f, indent=1)
+                 "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows},
+                f, indent=1)
 
 
 if __name__ == "__main__":
