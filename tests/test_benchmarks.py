@@ -358,3 +358,20 @@ def test_compile_only_counts_memory_without_running(tmp_path):
   assert rows[2]["memory"]["arguments"] < rows[0]["memory"]["arguments"]
   assert "error" in rows[3]  # a row that does not build says why; the others still ran
   assert json.loads(out.read_text())["rows"][2]["variant"] == "pp-1f1b@z1"
+
+
+@pytest.mark.timeout(300)
+def test_tick_overhead_times_the_loops_parts(tmp_path):
+  # tick_overhead.py on 2 CPU devices: every variant compiles and runs, and the JSON has
+  # each one's time and its time per iteration over `plain`'s.
+  out = tmp_path / "tick.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "tick_overhead.py"), "--cpu", "--acc",
+       "--variants", "plain,switch,switch+permute,overlap", "--out", str(out)],
+      capture_output=True, text=True, timeout=280)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  data = json.loads(out.read_text())
+  assert [r["variant"] for r in data["rows"]] == ["plain+xla", "switch+xla", "switch+permute+xla",
+                                                  "overlap+xla"]
+  assert all(r["step_ms"] > 0 and r["per_iter_over_plain_ms"] is not None for r in data["rows"])
+  assert data["devices"] == 2 and "out" not in data["args"]
