@@ -149,24 +149,27 @@ class ParamLayout:
   (`to_working`, `from_working`), where the optimizer never sees them.
   """
 
-  def __init__(self, model: ModelSpec, plan: Plan,
-               split: dict[int, tuple[int, str]] | None = None,
-               casts: dict[int, str] | None = None, options: LoweringOptions | None = None):
+  def __init__(self, model: ModelSpec, plan: Plan, casts: dict[int, str] | None = None,
+               options: LoweringOptions | None = None):
     self.options = options = options or LoweringOptions()
     mesh = plan.mesh
+    # leaf -> (dimension, "ep" | "tp"): the leaves shard / shard_tensor split.
+    split = {p: (d, mesh.sharded[r]) for r, dims in mesh.split_dims.items()
+             for p, d in dims.items()}
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
     self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
     self.group_size = dict(mesh.inner)
     # (axes, number) of the copies of split pieces, per kind (`MeshSpec.copies`).
     self.copies = {k: mesh.copies(k) for k in mesh.inner}
-    self.split = {p: d for p, (d, _) in (split or {}).items()}   # leaf -> split dimension
-    self.split_kind = {p: k for p, (_, k) in (split or {}).items()}  # leaf -> "ep" | "tp"
+    self.split = {p: d for p, (d, _) in split.items()}   # leaf -> split dimension
+    self.split_kind = {p: k for p, (_, k) in split.items()}  # leaf -> "ep" | "tp"
     self.params = model.params
     # Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
     # once per step: one target per dtype (the commonest), in slots of their own.
     # In pipelines too: with the rolled loop and its command buffers, casting once a
     # step is faster and compiles faster than casting in every task.
-    if self.n_pp > 1 and self.zero < 3 and not options.cast_in_pipelines:
+    if not options.cast_weights or (self.n_pp > 1 and self.zero < 3
+                                    and not options.cast_in_pipelines):
       casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
     self.cast_to: dict[str, str] = {}

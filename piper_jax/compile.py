@@ -171,7 +171,6 @@ class TrainStep:
     self.plan: Plan = plan
     self.batch_size = batch_size
     self._traced = traced
-    split = {p: (d, pm.sharded[r]) for r, dims in pm.split_dims.items() for p, d in dims.items()}
     options = options or LoweringOptions()
     if options.remat is None:  # faster and smaller in every pipeline measured
       options = dataclasses.replace(options, remat=pm.n_pp > 1)
@@ -179,8 +178,7 @@ class TrainStep:
       options = dataclasses.replace(
           options, write_stores_after_switch=self.devices[0].platform == "cpu")
     self.options: LoweringOptions = options
-    casts = traced.param_casts() if options.cast_weights else {}
-    self._layout = layout = ParamLayout(traced.spec, plan, split, casts, options)
+    self._layout = layout = ParamLayout(traced.spec, plan, traced.param_casts(), options)
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
     runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
     self._program = Program(runner, plan, layout, options,

@@ -269,11 +269,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
 def _stacked_bytes(model: MeasuredModel, plan: Plan, options: LoweringOptions) -> int:
   """Bytes per device of the parameters' stacked slots, whole (before ZeRO shards them),
   as `ParamLayout` lays them out; leaves split over expert or tensor groups aside."""
-  mesh = plan.mesh
-  split = {p: (d, mesh.sharded[r]) for r, dims in mesh.split_dims.items() for p, d in dims.items()}
-  layout = ParamLayout(model.spec, plan, split, model.casts if options.cast_weights else {},
-                       options)
-  shapes = layout.shapes()
+  shapes = ParamLayout(model.spec, plan, model.casts, options).shapes()
   nbytes = lambda s: math.prod(s.shape) * np.dtype(s.dtype).itemsize
   # A slot is [ranks, replicas, chunk] (or, spread, [devices, share]): one rank's part per
   # device; the shared segment, [replicas, chunk], is on every device.
