@@ -37,9 +37,7 @@ def build_seconds(variant: str, model: str, batch: int, microbatches: int, pp: i
   if directives is None:
     raise ValueError(f"{variant!r} is a plain-JAX baseline: it has no pj.compile to time")
   family = run.step_family(model)
-  key = jax.random.PRNGKey(0)
-  params = jax.eval_shape(lambda: family.init_params(net, key))
-  example = jax.eval_shape(lambda: family.random_batch(config, key, batch))
+  params, example = run.shapes(family, net, config, batch)
   tx = optax.adamw(1e-4, weight_decay=0.1)
   options = run.lowering_options(run.split_variant(variant)[1])
   times = []

@@ -52,9 +52,7 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
   config, net, directives = run.build(variant, model, len(devices), microbatches, pp, 0,
                                       attention, seq_len)
   family = run.step_family(model)
-  key = jax.random.PRNGKey(0)
-  params = jax.eval_shape(lambda: family.init_params(net, key))
-  example = jax.eval_shape(lambda: family.random_batch(config, key, batch))
+  params, example = run.shapes(family, net, config, batch)
   mask = (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)) if "mask" in mods else None
   tx = optax.adamw(1e-4, weight_decay=0.1, mask=mask)
   loss_fn = family.loss_fn(net)

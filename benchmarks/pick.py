@@ -48,7 +48,6 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=0, help="for files whose meta lacks it")
   args = ap.parse_args(argv)
   run._setup_cpu(True)
-  import jax
   import optax
 
   import piper_jax as pj
@@ -68,9 +67,7 @@ def main(argv=None):
                        layers=meta.get("layers") or args.layers)
   family = run.step_family(model)
   net = run.make_net(model, config)
-  key = jax.random.PRNGKey(0)
-  params = jax.eval_shape(lambda: family.init_params(net, key))
-  batch = jax.eval_shape(lambda: family.random_batch(config, key, meta["batch"]))
+  params, batch = run.shapes(family, net, config, meta["batch"])
   found = pj.strategies.search(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
                                batch, n, memory_bytes(kind), costs=costs)
   measured = {}  # a later file's row of a variant stands for it

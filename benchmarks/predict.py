@@ -75,8 +75,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                                         layers=meta.get("layers") or layers)
     family = run.step_family(model)
     key = jax.random.PRNGKey(0)
-    params = jax.eval_shape(lambda: family.init_params(net, key))
-    batch = jax.eval_shape(lambda: family.random_batch(config, key, meta["batch"]))
+    params, batch = run.shapes(family, net, config, meta["batch"])
     mods = run.split_variant(variant)[1]
     remat = True if "remat" in mods else False if "noremat" in mods else None
     est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,

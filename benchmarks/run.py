@@ -329,6 +329,15 @@ def lowering_options(mods: list[str]):
       compiler_options={} if "nocmdbuf" in mods else None)
 
 
+def shapes(family, net, config, batch: int):
+  """(parameters, a global batch of `batch` rows) of a model, as shapes: nothing is
+  allocated (the planner, `pj.compile` on shapes, and compiling without running)."""
+  import jax
+  key = jax.random.PRNGKey(0)
+  return (jax.eval_shape(lambda: family.init_params(net, key)),
+          jax.eval_shape(lambda: family.random_batch(config, key, batch)))
+
+
 def init_params(family, net, seed: int = 0):
   """Random parameters of the shapes `family.init_params` gives, made by one small
   program per distinct shape: ones for norm scales, zeros for biases, N(0, 0.02)
