@@ -407,6 +407,8 @@ def baseline_call(base: str, devices, loss_fn, tx, params, microbatches: int, pp
 
   mesh = Mesh(np.array(devices), ("d",))
   rep_sh, bsh = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+  rep = lambda tree: jax.tree_util.tree_map(lambda _: rep_sh, tree)
+  opt_shapes = jax.eval_shape(tx.init, params)
   if base in ("shmap-dp", "shmap-accum"):
     # Data parallel as a JAX user writes it with shard_map: each device runs the loss
     # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
@@ -423,11 +425,9 @@ def baseline_call(base: str, devices, loss_fn, tx, params, microbatches: int, pp
                                              accumulate=accumulate)
     call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
                    donate_argnums=0)
-    rep = lambda t: jax.tree_util.tree_map(lambda _: rep_sh, t)
-    return call, (rep(params), rep(jax.eval_shape(tx.init, params)), bsh)
-  opt_shapes = jax.eval_shape(tx.init, params)
+    return call, (rep(params), rep(opt_shapes), bsh)
   if base == "jit-dp":
-    psh, osh = (jax.tree_util.tree_map(lambda _: rep_sh, t) for t in (params, opt_shapes))
+    psh, osh = rep(params), rep(opt_shapes)
   else:
     psh, osh = fsdp_shardings(params, mesh), fsdp_shardings(opt_shapes, mesh)
   call = jax.jit(train_step, in_shardings=((psh, osh), bsh), out_shardings=((psh, osh), None),
