@@ -45,6 +45,7 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
   import optax
 
   import piper_jax as pj
+  from examples import gpt
   from piper_jax.compile import CompiledMemory
 
   devices = jax.devices()
@@ -56,11 +57,9 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
   mask = (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)) if "mask" in mods else None
   tx = optax.adamw(1e-4, weight_decay=0.1, mask=mask)
   loss_fn = family.loss_fn(net)
-  from examples import gpt
   row = {"variant": variant, "model": model, "devices": len(devices),
          "device_kind": devices[0].device_kind, "batch": batch,
          "attention": gpt.attention_implementation(config)}
-  t0 = time.perf_counter()
   if base in run.BASELINES:
     call, (psh, osh, bsh) = run.baseline_call(base, devices, loss_fn, tx, params, microbatches,
                                               pp, batch)
@@ -73,6 +72,7 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
     t0 = time.perf_counter()
     mem = CompiledMemory.of(call.lower((shaped(params, psh), shaped(opt, osh)), b).compile())
   else:
+    t0 = time.perf_counter()
     step = pj.compile(loss_fn, tx, directives, params, example,
                       options=run.lowering_options(mods))
     row["build_s"] = time.perf_counter() - t0
