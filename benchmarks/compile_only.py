@@ -39,7 +39,7 @@ def mock_gpus(n: int) -> None:
 
 
 def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp: int,
-                    seq_len: int = 0, attention: str | None = None) -> dict:
+                    seq_len: int = 0, attention: str | None = None, layers: int = 0) -> dict:
   """One variant built and compiled on shapes: its row."""
   import jax
   import optax
@@ -51,7 +51,7 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
   devices = jax.devices()
   base, mods = run.split_variant(variant)
   config, net, directives = run.build(variant, model, len(devices), microbatches, pp, 0,
-                                      attention, seq_len)
+                                      attention, seq_len, layers)
   family = run.step_family(model)
   params, example = run.shapes(family, net, config, batch)
   mask = (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)) if "mask" in mods else None
@@ -94,6 +94,7 @@ def main(argv=None):
   ap.add_argument("--pp", type=int, default=2)
   ap.add_argument("--seq-len", type=int, default=0)
   ap.add_argument("--attention", default=None, choices=["xla", "cudnn"])
+  ap.add_argument("--layers", type=int, default=0, help="blocks instead of the preset's")
   ap.add_argument("--mock-gpus", type=int, default=0,
                   help="compile for this many GPUs of as many processes on this machine's one")
   ap.add_argument("--small", action="store_true", help="tiny model on 8 simulated CPU devices")
@@ -109,11 +110,11 @@ def main(argv=None):
   out = args.out or (os.path.join(os.environ["OUT"], "compile_only.json")
                      if os.environ.get("OUT") else None)
   meta = {"model": model, "batch": args.batch, "microbatches": args.microbatches, "pp": args.pp,
-          "seq_len": args.seq_len, "mock_gpus": args.mock_gpus, "devices": len(jax.devices())}
+          "seq_len": args.seq_len, "layers": args.layers, "mock_gpus": args.mock_gpus, "devices": len(jax.devices())}
   for variant in args.variants.split(","):
     try:
       row = compile_variant(variant, model, args.batch, args.microbatches, args.pp,
-                            args.seq_len, args.attention)
+                            args.seq_len, args.attention, args.layers)
     except Exception as e:  # noqa: BLE001 - a row that does not build says why, the rest go on
       row = {"variant": variant, "model": model, "error": f"{type(e).__name__}: {e}"[:500]}
     rows.append(row)
