@@ -55,10 +55,17 @@ def _from_stored(fn, ad: RegionAD, split: BackwardSplit):
   return run
 
 
-def _waits_for(x: jax.Array, after: jax.Array) -> jax.Array:
-  """`x`, computed after `after` (a scalar): adds exactly 0 (isfinite is 0 or 1), a data
-  dependency XLA keeps where it drops optimization barriers before merging collectives."""
+def _plus_zero_of(x: jax.Array, after: jax.Array) -> jax.Array:
+  """`x` plus exactly 0 computed from `after` (a scalar; isfinite is 0 or 1): a data
+  dependency XLA's CPU compiler keeps; its GPU compiler folds it away."""
   return x + 0 * jnp.isfinite(after).astype(x.dtype)
+
+
+def _waits_for(x: jax.Array, after: jax.Array) -> jax.Array:
+  """`x`, computed after `after` (a scalar), for both of XLA's compilers: the GPU
+  compiler keeps optimization barriers until it has scheduled the program; the CPU
+  compiler drops them before it merges collectives, but keeps `_plus_zero_of`."""
+  return lax.optimization_barrier((_plus_zero_of(x, after), after))[0]
 
 
 @dataclasses.dataclass
@@ -470,8 +477,8 @@ class Program:
   def _before_next_tick(self, st: "_State", x: jax.Array) -> jax.Array:
     """x, a collective's result; under `order_collectives` the next tick's switch waits
     for it (the loss, which the switch reads, adds exactly 0: isfinite is 0 or 1)."""
-    if self.order_collectives and x.size:
-      st.loss = _waits_for(st.loss, x.reshape(-1)[0])
+    if self.order_collectives and x.size:  # on CPU only
+      st.loss = _plus_zero_of(st.loss, x.reshape(-1)[0])
     return x
 
   def _loop(self, w: Window, st: "_State", params: dict, batch: list):
