@@ -44,6 +44,13 @@ class GradientSums:
     owned: rank -> the positions of those leaves.
     reduce_dtype: the dtype gradients travel in over the data axes (replicate's
       reduce_dtype), or None for their own.
+    scatter_each_tick: ZeRO-2/3 without a pipeline: each tick's gradients are
+      reduce-scattered as it makes them, and the sums are this replica's chunks. A
+      pipeline's ZeRO-2/3 sum a stage's gradients whole over its microbatches, as
+      ZeRO-0/1 do, and reduce-scatter them once after the last tick (as Megatron's
+      distributed optimizer and PyTorch's pipeline schedules over FSDP do): per tick it
+      would be a reduce-scatter per microbatch, and XLA holds several ticks' whole
+      gradients while they run, more than the one whole sum.
   """
 
   def __init__(self, model: ModelSpec, plan: Plan, layout: ParamLayout,
@@ -52,6 +59,7 @@ class GradientSums:
     self.reduce_dtype = reduce_dtype
     self.data_axes = plan.mesh.data_axes
     self.n_data = plan.mesh.n_data
+    self.scatter_each_tick = layout.zero >= 2 and plan.mesh.n_pp == 1
     per_rank: dict[int, list] = {r: [] for r in range(plan.n_ranks)}
     split_leaves: dict[int, int] = {}
     for r in model.regions:
@@ -114,7 +122,7 @@ class GradientSums:
 
   def zero_sums(self) -> tuple[dict, dict]:
     """Zero sums of every position the step adds to: (acc, split_acc)."""
-    if self.layout.zero < 2:
+    if not self.scatter_each_tick:
       acc = {pos: zeros_of(self.positions[pos]) for pos in range(self.split0)}
     else:
       acc = {key: jnp.zeros((self.layout.segment_size(*key) // self.n_data,), jnp.dtype(key[1]))
@@ -126,14 +134,14 @@ class GradientSums:
   def add_task(self, rank: int, grads: dict[int, jax.Array], acc: dict,
                split_acc: dict) -> None:
     """Adds one task's weight gradients (leaf -> array) on pipeline rank `rank` to the
-    step's sums (`zero_sums`): per-leaf sums under ZeRO 0/1, this replica's
-    reduce-scattered segments under ZeRO 2/3; split leaves' pieces to `split_acc`."""
+    step's sums (`zero_sums`): per-leaf sums, or this replica's reduce-scattered
+    segments (`scatter_each_tick`); split leaves' pieces to `split_acc`."""
     by_pos = {self.where[(rank, p)]: g for p, g in grads.items()}
     segment_grads = {}
     for pos, g in by_pos.items():
       if pos >= self.split0:
         split_acc[pos] = split_acc[pos] + g.astype(split_acc[pos].dtype)
-      elif self.layout.zero < 2:
+      elif not self.scatter_each_tick:
         acc[pos] = acc[pos] + jnp.ravel(g).astype(acc[pos].dtype)
       else:
         segment_grads[pos] = g.astype(self.positions[pos][1])
@@ -223,16 +231,16 @@ class GradientSums:
   def _reduce(self, g, chunk: int, dt: str, bucketed: bool) -> jax.Array:
     """A segment's gradient, reduced over "dp" as its ZeRO stage says, as [rows, chunk].
 
-    ZeRO-0: all-reduced, every replica keeps all rows; ZeRO-1: reduce-scattered to
-    this replica's chunk; ZeRO-2/3: already reduce-scattered per tick.
+    ZeRO-0: all-reduced, every replica keeps all rows; ZeRO-1 (and a pipeline's 2/3):
+    reduce-scattered to this replica's chunk; else already reduce-scattered per tick.
     """
     zero, n_dp, axes = self.layout.zero, self.layout.n_dp, self.data_axes
     if g is None:
-      g = jnp.zeros((chunk if zero >= 2 else n_dp * chunk,), jnp.dtype(dt))
+      g = jnp.zeros((chunk if self.scatter_each_tick else n_dp * chunk,), jnp.dtype(dt))
     if zero == 0:
       g = g if bucketed else self.collective(lax.psum, g, axes)
       return g.astype(dt).reshape(n_dp, chunk)
-    if zero == 1:
+    if not self.scatter_each_tick:
       g = self.collective(lax.psum_scatter, g, axes, scatter_dimension=0, tiled=True)
       return g.astype(dt).reshape(1, chunk)
     return g.reshape(1, chunk)

@@ -77,6 +77,8 @@ class _State:
   acc: dict = dataclasses.field(default_factory=dict)
   split_acc: dict = dataclasses.field(default_factory=dict)  # split leaves' pieces, by position
   loss: Any = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.float32))
+  # `scatter_each_tick`: reduce-scattered gradients not in `acc` yet, as (tick, {key: chunk}).
+  scattered: list = dataclasses.field(default_factory=list)
 
 
 # XLA's GPU command buffers (CUDA graphs) for a pipeline's step: XLA's default kinds
@@ -102,7 +104,7 @@ def lowers_as_loop(plan: Plan, options: LoweringOptions) -> bool:
   if not options.roll or options.max_carry_depth > 1:
     return False  # asked for the per-tick program's own unrolling or deeper carries
   mesh = plan.mesh
-  in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1 or (mesh.zero >= 2 and mesh.n_data > 1)
+  in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1 or (mesh.zero == 3 and mesh.n_data > 1)
   buckets = mesh.zero == 0 and bool(plan.bucket_mb) and mesh.n_data > 1
   return mesh.n_pp > 1 and not in_tasks and not buckets
 
@@ -326,9 +328,10 @@ class Program:
       st.acc, st.split_acc, st.loss = out.acc, out.split_acc, out.loss
     else:
       self._run_ticks(st, params, batch)
+      self._add_scattered(st)
     acc = st.acc
     with jax.named_scope("pj:step end"):
-      if self.layout.zero < 2:
+      if not self.grads.scatter_each_tick:
         # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
         acc = (self.grads.assemble(acc, self._switch, self.reduce_dtype,
                                    materialize=not self.buckets) if acc else {})
@@ -417,6 +420,7 @@ class Program:
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
     read = self._read(tick_i)
     leaves = params.get("leaves", [])
+    self._add_scattered(st, before=tick_i - 1)
     if zero == 3:
       segs, cast = gathered or self._gather(tick_i, params, after=st.loss)
     else:
@@ -426,10 +430,12 @@ class Program:
     reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                     for key in self.task_reads(t)
                     if (key, rank) in loc and loc[(key, rank)].tick < tick_i}, key=str)
-    # Running gradient sums the tick adds to inside the switch (ZeRO 0/1, split leaves).
+    # Running gradient sums the tick adds to inside the switch (all but the chunks of
+    # `scatter_each_tick`; split leaves).
     acc_in = {}
     for pos in info.grads:
-      sums = st.split_acc if pos >= self.grads.split0 else st.acc if zero < 2 else {}
+      sums = (st.split_acc if pos >= self.grads.split0 else
+              {} if self.grads.scatter_each_tick else st.acc)
       if pos in sums:
         acc_in[pos] = sums[pos]
     operands = {"arrays": {k: st.arrays[k] for k in reads},
@@ -459,12 +465,13 @@ class Program:
             st, lax.ppermute(x, "pp", perm=list(rnd.perm)))
     for pos in [p for p in grads if p >= self.grads.split0]:
       st.split_acc[pos] = grads.pop(pos)
-    if zero >= 2 and grads:
+    if self.grads.scatter_each_tick and grads:
+      chunks = {}
       for key, x in self.grads.assemble(grads, self._switch, self.reduce_dtype,
                                         materialize=True).items():
         x = self.grads.collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
-        x = self._before_next_tick(st, x).astype(key[1])
-        st.acc[key] = st.acc[key] + x if key in st.acc else x
+        chunks[key] = self._before_next_tick(st, x).astype(key[1])
+      st.scattered.append((tick_i, chunks))
     else:
       st.acc.update(grads)
       for bucket in self.buckets.get(tick_i, []):
@@ -473,6 +480,27 @@ class Program:
         summed = self.grads.collective(lax.psum, tuple(st.acc[p] for p in bucket), axes,
                                        keep_dtype=False)
         st.acc.update(zip(bucket, (self._before_next_tick(st, x) for x in summed)))
+
+  def _add_scattered(self, st: "_State", before: int | None = None) -> None:
+    """Adds the reduce-scattered gradients of the ticks before `before` to the running
+    sums, which the loss, and so tick `before`'s switch, then waits for; None: all of
+    them, where no tick follows in straight-line code (the sums are read anyway).
+
+    Called before each tick for the ticks two back, so a tick's reduce-scatter runs
+    beside the next tick's work. Left to itself XLA adds them at the step's end, or
+    reassociates the sum of reduce-scatters into one reduce-scatter of the summed
+    gradients, and either way holds every tick's whole gradients until then."""
+    due = [c for t, c in st.scattered if before is None or t < before]
+    if not due:
+      return
+    st.scattered = [(t, c) for t, c in st.scattered if before is not None and t >= before]
+    for chunks in due:
+      for key, x in chunks.items():
+        st.acc[key] = st.acc[key] + x if key in st.acc else x
+    if before is not None:
+      keys = sorted(st.acc, key=str)
+      *sums, st.loss = lax.optimization_barrier((*[st.acc[k] for k in keys], st.loss))
+      st.acc.update(zip(keys, sums))
 
   def _before_next_tick(self, st: "_State", x: jax.Array) -> jax.Array:
     """x, a collective's result; under `order_collectives` the next tick's switch waits
@@ -484,15 +512,16 @@ class Program:
   def _loop(self, w: Window, st: "_State", params: dict, batch: list):
     """Ticks [w.start, w.stop) as a `lax.fori_loop` over the first `w.length` of them."""
     body_ticks = range(w.start, w.start + w.length)
+    self._add_scattered(st)
     # Every sum the loop adds to exists before it, so the carry keeps one structure.
     for t in body_ticks:
       grads = self.ticks[t].grads
       for pos in grads:
         if pos >= self.grads.split0:
           st.split_acc.setdefault(pos, zeros_of(self.grads.positions[pos]))
-        elif self.layout.zero < 2:
+        elif not self.grads.scatter_each_tick:
           st.acc.setdefault(pos, zeros_of(self.grads.positions[pos]))
-      if self.layout.zero >= 2:
+      if self.grads.scatter_each_tick:
         for key in self.grads.segment_keys([p for p in grads if p < self.grads.split0]):
           size = self.layout.segment_size(*key) // self.n_data
           st.acc.setdefault(key, jnp.zeros((size,), jnp.dtype(key[1])))
@@ -504,6 +533,7 @@ class Program:
                      dict(zip(split_keys, c["split"])), c["loss"])
       for t in body_ticks:
         self._tick(t, inner, params, batch, j * w.mb_shift, reads, in_order=True)
+      self._add_scattered(inner)
       return {"carry": [inner.arrays[k.shifted(w.length)] for k in w.carry],
               "exits": [inner.arrays[k] for k in w.exits],
               "acc": [inner.acc[k] for k in acc_keys],

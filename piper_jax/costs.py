@@ -221,7 +221,9 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     copies = cast if masters or (pipelined and zero < 3) else 0
     held = p_bytes if stacked is None else stacked  # parameters and optimizer state
     params = int(held / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
-    grads = int(p_bytes / (n if zero >= 2 else 1) + by_zero(2))
+    # A pipeline sums a stage's gradients whole over its microbatches, at any ZeRO stage,
+    # and reduce-scatters them once.
+    grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1) + by_zero(2))
     opt = int((held / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
     acts = acts_of[rank]
@@ -231,15 +233,15 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
                          grads_with_activations=pipelined or m > 1)
     if mem.total > peak.total:
       peak = mem
-    # Data-parallel traffic per device: ZeRO 0/1 reduce once a step and (ZeRO-1) gather
-    # the update; ZeRO 2/3 reduce-scatter per microbatch; ZeRO-3 gathers weights before
-    # each F and B (a pipeline stage: once a step).
-    if zero <= 1:
+    # Data-parallel traffic per device: ZeRO 0/1 and pipelines reduce once a step and
+    # gather the update (ZeRO-3: the weights, once a step); ZeRO 2/3 without a pipeline
+    # reduce-scatter per microbatch, and ZeRO-3 gathers weights before each F and B.
+    if zero <= 1 or pipelined:
       dp_bytes = 2 * f * p_bytes
     elif zero == 2:
       dp_bytes = f * p_bytes * (m + 1)
     else:
-      dp_bytes = f * p_bytes * (m + (1 if pipelined else 2 * m))
+      dp_bytes = f * p_bytes * 3 * m
     # Expert parallel: each EP region's tokens go to their experts' devices and back,
     # in F and again in B, every microbatch.
     sent = sum(4 * (ep - 1) / ep * x.spec.nbytes * scale * m

@@ -60,6 +60,25 @@ def test_the_tick_loops_collectives_are_per_iteration():
   step = _step(pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=3), tick_loop=True)
   found = step.collectives()
   loop = [c for c in found if c.where[:1] == ("tick loop",)]
-  assert {c.kind for c in loop} >= {"send/recv", "all-gather", "reduce-scatter"}
+  assert {c.kind for c in loop} >= {"send/recv", "all-gather"}
+  # A pipeline's gradients are summed whole and reduce-scattered once, after the loop.
+  assert any(c.kind == "reduce-scatter" and c.where[:1] != ("tick loop",) for c in found)
   # Once per iteration (a sub-step of a tick): at least once per tick.
   assert all(c.count >= len(step.plan.ticks) for c in loop)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_pipelines_gradients_are_reduce_scattered_once(zero):
+  # A pipeline sums a stage's gradients whole over its microbatches and reduce-scatters
+  # them once, after its last tick, under ZeRO-2/3 as under ZeRO-1: one reduce-scatter
+  # per slot, not one per tick (which XLA ran holding several ticks' whole gradients).
+  # Without a pipeline each tick's are reduce-scattered as the backward makes them.
+  per_tick = zero == 3  # ZeRO-3 gathers in its tasks: one program per tick
+  step = _step(pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=zero))
+  assert (step._program.tick_loop is None) == per_tick
+  scatters = [c for c in step.collectives() if c.kind == "reduce-scatter"]
+  # One per segment (the slot, and the leaves every rank holds), at the step's end.
+  assert scatters and all(c.where == ("step end",) and c.count == 1 for c in scatters), scatters
+  dp = _step(pj.strategies.data_parallel(4, zero=zero))
+  assert any(c.where[0].startswith("tick ") for c in dp.collectives()
+             if c.kind == "reduce-scatter")
