@@ -33,7 +33,8 @@ _CHEAP = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_i
                     "select_n", "copy", "slice", "neg", "add", "sub", "mul", "div", "max", "min",
                     "abs", "sign", "square", "sqrt", "rsqrt", "exp", "exp2", "log", "log1p", "expm1",
                     "tanh", "logistic", "erf", "erfc", "integer_pow", "pow", "clamp", "sin", "cos",
-                    "floor", "ceil", "round", "is_finite", "reduce_precision"})
+                    "floor", "ceil", "round", "is_finite", "reduce_precision",
+                    "one_minus_square"})  # tanh's derivative, 1 - x^2, from jax 0.11
 # At most this many equations are redone for one residual; longer chains are stored.
 _MAX_CONE = 64
 

@@ -92,3 +92,28 @@ def test_rotary_tables_are_recomputed_not_stored():
   runner = RegionRunner(trace_loss(loss, params, batch))
   stored = analyze_region(runner, 0, remat=False).stored_avals
   assert [tuple(a.shape) for a in stored] == [(4, 16, D)], stored
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_exact", "silu", "sigmoid", "tanh"])
+def test_an_activations_backward_reads_only_the_matmuls_output(act):
+  # Under remat B redoes an activation from the matmul output F keeps, whatever
+  # primitives this jax's derivative rules use (jax 0.11's tanh writes its derivative
+  # as `one_minus_square`, which stored GELU's hidden twice until it counted as cheap).
+  from piper_jax.lowering.local import RegionRunner
+  from piper_jax.lowering.regions import analyze_region
+  from piper_jax.lowering.trace import trace_loss
+  fn = {"gelu": jax.nn.gelu, "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+        "silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid,
+        "tanh": jnp.tanh}[act]
+
+  def loss(params, batch):
+    with pj.annotate("PP"):
+      y = fn(batch["x"] @ params["w1"]) @ params["w2"]
+    return jnp.mean(y ** 2)
+
+  params = {"w1": jnp.ones((D, 4 * D)), "w2": jnp.ones((4 * D, D))}
+  batch = {"x": jnp.ones((4, 16, D))}
+  runner = RegionRunner(trace_loss(loss, params, batch))
+  stored = analyze_region(runner, 0, remat=True).stored_avals
+  hidden = [a for a in stored if a.shape[-1] == 4 * D]  # besides: the first matmul's input
+  assert len(hidden) == 1 and len(stored) == 2, stored
