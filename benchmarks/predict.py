@@ -106,6 +106,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                 "params_gib": m.params / 2**30, "grads_gib": m.grads / 2**30,
                 "optimizer_gib": m.optimizer / 2**30, "activations_gib": m.activations / 2**30,
                 "copies_gib": m.weight_copies / 2**30, "working_gib": m.working / 2**30,
+                "sums_copy_gib": m.sums_copy / 2**30,
                 "grads_with_activations": m.grads_with_activations,
                 "measured_ms": r.get("step_ms"),
                 "predicted_ms": est.step_time * 1e3 if base is not None else None,
@@ -129,13 +130,15 @@ def main(argv=None):
   if not args.calibrate:
     run._setup_cpu(True)
   print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
-        "activations, weight copies, working; grads beside activations or the larger) | "
+        "activations, weight copies, working, per-tick sums' copy; grads beside activations "
+        "or the larger) | "
         "step ms measured | predicted | from timed regions |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
   for path in args.files:
     for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers, args.calibrate):
       parts = ", ".join(f"{p[k]:.2f}" for k in ("params_gib", "grads_gib", "optimizer_gib",
-                                                "activations_gib", "copies_gib", "working_gib"))
+                                                "activations_gib", "copies_gib", "working_gib",
+                                                "sums_copy_gib"))
       parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
       pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
       measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"

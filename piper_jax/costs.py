@@ -71,6 +71,9 @@ class MemoryEstimate:
     grads_with_activations: gradients live beside the activations (a pipeline or
       accumulation over microbatches); else a single backward frees activations as it
       makes gradients and the peak holds the larger of the two.
+    sums_copy: a pipeline lowered a switch per tick (tasks with collectives) passes
+      the running gradient sums through each tick's conditional, which returns them in
+      buffers of its own: during a tick the sums it read and those it returns are live.
   """
 
   params: int
@@ -80,12 +83,14 @@ class MemoryEstimate:
   weight_copies: int = 0
   working: int = 0
   grads_with_activations: bool = True
+  sums_copy: int = 0
 
   @property
   def total(self) -> int:
     live = (self.grads + self.activations if self.grads_with_activations
             else max(self.grads, self.activations))
-    return self.params + self.optimizer + self.weight_copies + self.working + live
+    return (self.params + self.optimizer + self.weight_copies + self.working + live
+            + self.sums_copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +191,9 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   acts_of = [_peak_activations(plan, report, rank,
                                {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
              for rank in range(mesh.n_pp)]
-  if lowers_as_loop(plan, options):
+  loop = lowers_as_loop(plan, options)
+  per_tick = pipelined and not loop
+  if loop:
     # One program for every rank: each device allocates the stores of the rank that
     # keeps the most.
     acts_of = [max(acts_of)] * mesh.n_pp
@@ -230,7 +237,8 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     # A backward under remat first recomputes what its forward dropped.
     working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
     mem = MemoryEstimate(params, grads, opt, acts, copies, working,
-                         grads_with_activations=pipelined or m > 1)
+                         grads_with_activations=pipelined or m > 1,
+                         sums_copy=grads if per_tick else 0)
     if mem.total > peak.total:
       peak = mem
     # Data-parallel traffic per device: ZeRO 0/1 and pipelines reduce once a step and

@@ -207,6 +207,26 @@ def test_estimate_divides_state_by_zero_stage():
 
 
 @pytest.mark.timeout(60)
+def test_a_per_tick_pipeline_holds_two_copies_of_its_gradient_sums():
+  # Lowered a switch per tick (here ZeRO-3's gathers in its tasks), a pipeline passes its
+  # running gradient sums through each tick's conditional, which returns them in
+  # buffers of its own; as one loop the sums are updated in place.
+  from piper_jax.lowering.program import lowers_as_loop
+  loss, params, batch = _gpt(2)
+  tx = optax.adamw(1e-3)
+  per_tick, loop = (pj.strategies.estimate(loss, tx, params, batch,
+                                           pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=z), 4)
+                    for z in (3, 1))
+  assert not lowers_as_loop(per_tick.plan, pj.LoweringOptions())
+  assert lowers_as_loop(loop.plan, pj.LoweringOptions())
+  assert per_tick.memory.sums_copy == per_tick.memory.grads > 0
+  assert loop.memory.sums_copy == 0
+  m = per_tick.memory
+  assert m.total == sum((m.params, m.grads, m.optimizer, m.activations, m.weight_copies,
+                         m.working, m.sums_copy))
+
+
+@pytest.mark.timeout(60)
 def test_cast_weights_count_once_in_pipelines():
   # A bf16-compute model with fp32 masters: a pipeline keeps each weight's bf16 copy for
   # the step (half its bytes), and ZeRO-3 gathers weights in bf16.
@@ -291,9 +311,10 @@ def test_one_loop_holds_the_largest_ranks_activations_on_every_device():
                                 options=pj.LoweringOptions(tick_loop=False)).memory
   # Both peak on the last rank (its parameters: the stacked slot is as large as its
   # part, plus the empty shared segment's one float); with the loop it also holds the
-  # first rank's activations.
+  # first rank's activations (the per-tick program, a second copy of its gradient sums).
   assert tick.params == loop.params == (4 << 20) + 4
-  assert loop.activations > 4 * tick.activations and loop.total > tick.total
+  assert loop.activations > 4 * tick.activations
+  assert loop.total > tick.total - tick.sums_copy and tick.sums_copy == tick.grads
 
 
 @pytest.mark.timeout(90)

@@ -82,11 +82,12 @@ def test_program_size_does_not_grow_with_microbatches(schedule):
   assert calls4 <= 8, calls4
 
 
-@pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, False),
+@pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, True),
                                            (2, 3, False)])
 def test_pipelines_run_as_one_loop_unless_their_tasks_run_collectives(dp, zero, loops):
-  # By default a pipeline is one loop over its ticks; ZeRO-2/3 over replicas put a
-  # reduce-scatter or all-gather inside the tasks, which then stay per tick.
+  # By default a pipeline is one loop over its ticks; ZeRO-3 over replicas puts an
+  # all-gather inside the tasks, which then stay per tick (ZeRO-2 reduce-scatters a
+  # pipeline's gradients once, after the loop).
   step = _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp)
   assert step.tick_loop is loops and step.options.tick_loop is None
   assert ("one loop over all ticks" in step.describe()) is loops
