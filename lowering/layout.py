@@ -157,6 +157,15 @@ class ParamLayout:
     split = {p: (d, mesh.sharded[r]) for r, dims in mesh.split_dims.items()
              for p, d in dims.items()}
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
+    # A pipeline's ZeRO-3 gathers its parameters once, as the step starts, and keeps
+    # them for the step (`gather_masters`): its tasks then run no collective of their own
+    # and the pipeline runs as one loop. It is lowered as ZeRO-2 with sharded masters
+    # (a pipeline's ZeRO-2 sums gradients whole and reduce-scatters them once): gathered
+    # a tick at a time, a stage's weights were held for the step all the same, since
+    # consecutive ticks read them, and the per-tick program holds more.
+    self.gathers_at_start = mesh.zero == 3 and self.n_pp > 1 and self.n_dp > 1
+    if self.gathers_at_start:
+      self.zero = 2
     self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
     self.group_size = dict(mesh.inner)
     # (axes, number) of the copies of split pieces, per kind (`MeshSpec.copies`).
@@ -271,10 +280,12 @@ class ParamLayout:
 
     Only with weights the model reads in a narrower dtype: those are all-gathered in
     bf16 (half the bytes of gathering the fp32 parameters after the update, which
-    ZeRO-1/2 otherwise do), and the gathered copy lives for the step only.
+    ZeRO-1/2 otherwise do), and the gathered copy lives for the step only. Always for a
+    pipeline's ZeRO-3 (`gathers_at_start`).
     """
-    return (self.options.shard_masters and self.zero in (1, 2) and self.n_dp > 1
-            and any(j != SHARED for j, _ in self.cast_slots))
+    return self.gathers_at_start or (
+        self.options.shard_masters and self.zero in (1, 2) and self.n_dp > 1
+        and any(j != SHARED for j, _ in self.cast_slots))
 
   # -- shapes and shardings -------------------------------------------------
 

@@ -61,8 +61,9 @@ class LoweringOptions:
       returning the stores written in place. None: on CPU only, where XLA gives a switch
       that returns the stores buffers of its own and copies every store in every slot;
       a GPU writes them in place, and the extra writes after the switch only cost time.
-    zero3_reshard: ZeRO-3 gathers a region's weights again for its backward (PyTorch
-      FSDP's reshard_after_forward): a device holds the weights of the ticks in flight.
+    zero3_reshard: ZeRO-3 without a pipeline gathers a region's weights again for its
+      backward (PyTorch FSDP's reshard_after_forward): a device holds the weights of the
+      ticks in flight. (A pipeline's ZeRO-3 gathers them once, as the step starts.)
       False lets XLA keep each region's weights from its forward gather to its backward:
       half the gathers, every weight held whole for the whole step.
     compiler_options: XLA options for the step's `jax.jit`; None takes piper-jax's (on

@@ -104,7 +104,8 @@ def lowers_as_loop(plan: Plan, options: LoweringOptions) -> bool:
   if not options.roll or options.max_carry_depth > 1:
     return False  # asked for the per-tick program's own unrolling or deeper carries
   mesh = plan.mesh
-  in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1 or (mesh.zero == 3 and mesh.n_data > 1)
+  # (A pipeline's ZeRO-3 gathers its weights as the step starts: `ParamLayout.gathers_at_start`.)
+  in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1
   buckets = mesh.zero == 0 and bool(plan.bucket_mb) and mesh.n_data > 1
   return mesh.n_pp > 1 and not in_tasks and not buckets
 

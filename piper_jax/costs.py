@@ -215,8 +215,8 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     read = lambda p: spec.params[p].nbytes * model.copy_ratio.get(p, 1.0)
     region_read = [sum(read(p) for p in spec.regions[r].params if p not in group)
                    for r in regions]
-    # ZeRO-3 gathers weights in the dtype they are read in and keeps a pipeline stage's
-    # gathered between its microbatches; without a pipeline it gathers one region at a time.
+    # ZeRO-3 gathers weights in the dtype they are read in: a pipeline's once, as the step
+    # starts, kept for the step; without a pipeline one region at a time.
     gathered = (sum(read(p) for p in leaves) if pipelined else max(region_read, default=0)
                 ) if zero >= 3 else 0
     cast = int(sum(read(p) for p in leaves if p in model.copy_ratio))

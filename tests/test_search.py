@@ -208,17 +208,15 @@ def test_estimate_divides_state_by_zero_stage():
 
 @pytest.mark.timeout(60)
 def test_a_per_tick_pipeline_holds_two_copies_of_its_gradient_sums():
-  # Lowered a switch per tick (here ZeRO-3's gathers in its tasks), a pipeline passes its
-  # running gradient sums through each tick's conditional, which returns them in
-  # buffers of its own; as one loop the sums are updated in place.
-  from piper_jax.lowering.program import lowers_as_loop
+  # Lowered a switch per tick (EP's or TP's collectives in its tasks; here asked for), a
+  # pipeline passes its running gradient sums through each tick's conditional, which
+  # returns them in buffers of its own; as one loop the sums are updated in place.
   loss, params, batch = _gpt(2)
   tx = optax.adamw(1e-3)
   per_tick, loop = (pj.strategies.estimate(loss, tx, params, batch,
-                                           pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=z), 4)
-                    for z in (3, 1))
-  assert not lowers_as_loop(per_tick.plan, pj.LoweringOptions())
-  assert lowers_as_loop(loop.plan, pj.LoweringOptions())
+                                           pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=1), 4,
+                                           options=pj.LoweringOptions(tick_loop=t))
+                    for t in (False, None))
   assert per_tick.memory.sums_copy == per_tick.memory.grads > 0
   assert loop.memory.sums_copy == 0
   m = per_tick.memory

@@ -82,12 +82,31 @@ def test_program_size_does_not_grow_with_microbatches(schedule):
   assert calls4 <= 8, calls4
 
 
+def test_a_pipelines_zero3_step_is_its_zero2_step_with_sharded_masters():
+  # A pipeline's ZeRO-3 gathers its weights (bf16) as the step starts and keeps them for
+  # the step, like ZeRO-2's distributed optimizer: the same program, one loop.
+  import jax.numpy as jnp
+  from examples import gpt
+  net = gpt.GPT(gpt.get_config("tiny", n_stages=2, dtype=jnp.bfloat16))
+  params = gpt.init_params(net, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(net.config, jax.random.PRNGKey(1), 16)
+  texts = []
+  for zero in (2, 3):
+    step = pj.compile(gpt.loss_fn(net), optax.adamw(1e-3),
+                      pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=zero), params, batch,
+                      devices=jax.devices()[:4])
+    assert step.tick_loop and step._program.layout.shards_masters
+    texts.append(step.lower(step.init(params), batch).as_text())
+  assert texts[0] == texts[1]
+
+
 @pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, True),
-                                           (2, 3, False)])
+                                           (2, 3, True)])
 def test_pipelines_run_as_one_loop_unless_their_tasks_run_collectives(dp, zero, loops):
-  # By default a pipeline is one loop over its ticks; ZeRO-3 over replicas puts an
-  # all-gather inside the tasks, which then stay per tick (ZeRO-2 reduce-scatters a
-  # pipeline's gradients once, after the loop).
+  # By default a pipeline is one loop over its ticks. At any ZeRO stage its tasks run
+  # no collective of their own: gradients are reduce-scattered once after the loop, and
+  # ZeRO-3 gathers the weights as the step starts (expert and tensor parallelism's
+  # tasks do, and stay per tick: tests/test_parallel.py).
   step = _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp)
   assert step.tick_loop is loops and step.options.tick_loop is None
   assert ("one loop over all ticks" in step.describe()) is loops
