@@ -82,22 +82,23 @@ def test_program_size_does_not_grow_with_microbatches(schedule):
   assert calls4 <= 8, calls4
 
 
-def test_a_pipelines_zero3_step_is_its_zero2_step_with_sharded_masters():
+def test_a_pipelines_zero_stages_are_one_program_with_sharded_masters():
   # A pipeline's ZeRO-3 gathers its weights (bf16) as the step starts and keeps them for
-  # the step, like ZeRO-2's distributed optimizer: the same program, one loop.
+  # the step, like ZeRO-1/2's distributed optimizer, and every stage reduce-scatters the
+  # gradients once: ZeRO-1, 2 and 3 are the same program, one loop.
   import jax.numpy as jnp
   from examples import gpt
   net = gpt.GPT(gpt.get_config("tiny", n_stages=2, dtype=jnp.bfloat16))
   params = gpt.init_params(net, jax.random.PRNGKey(0))
   batch = gpt.random_batch(net.config, jax.random.PRNGKey(1), 16)
   texts = []
-  for zero in (2, 3):
+  for zero in (1, 2, 3):
     step = pj.compile(gpt.loss_fn(net), optax.adamw(1e-3),
                       pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=zero), params, batch,
                       devices=jax.devices()[:4])
     assert step.tick_loop and step._program.layout.shards_masters
     texts.append(step.lower(step.init(params), batch).as_text())
-  assert texts[0] == texts[1]
+  assert texts[0] == texts[1] == texts[2]
 
 
 @pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, True),
