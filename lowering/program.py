@@ -6,10 +6,11 @@ whose positions ranks share by shape (`layout.match_positions`): a "keep" list f
 rank itself and one list per `ppermute` round for the values other ranks read.
 Gradients accumulate per leaf, unreduced over microbatches (added to the running sums
 inside the switch, so a tick writes each sum once), and are laid out into
-the flat parameter segments and reduced once at the end (ZeRO 0/1), or laid out and
-reduce-scattered per tick (ZeRO 2/3); ZeRO-3 all-gathers the slots a tick reads one
-tick ahead, before the previous tick's switch, and keeps the slots that consecutive
-ticks read. Expert-parallel regions exchange their tokens by all-to-all over "ep"
+the flat parameter segments and reduced once at the end (ZeRO 0/1, and a pipeline's
+ZeRO 2/3), or laid out and reduce-scattered per tick (ZeRO 2/3 without a pipeline);
+ZeRO-3 without a pipeline all-gathers the slots a tick reads one tick ahead, before the
+previous tick's switch, and keeps the slots that consecutive ticks read (a pipeline's
+gathers them as the step starts: `ParamLayout.gathers_at_start`). Expert-parallel regions exchange their tokens by all-to-all over "ep"
 before and after each pass; split weights' pieces (shard, shard_tensor) get their
 gradients reduced only over their copies (`lowering/gradients.py`).
 """
@@ -73,12 +74,11 @@ class _State:
   """What a step's ticks pass on: arrays by location, gradient sums, the loss."""
 
   arrays: dict = dataclasses.field(default_factory=dict)
-  # ZeRO 0/1: gradient position -> sum; ZeRO 2/3: (slot, dtype) -> reduced chunk.
+  # Gradient position -> sum; under `GradientSums.scatter_each_tick`, (slot, dtype) ->
+  # this replica's reduce-scattered chunk.
   acc: dict = dataclasses.field(default_factory=dict)
   split_acc: dict = dataclasses.field(default_factory=dict)  # split leaves' pieces, by position
   loss: Any = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.float32))
-  # `scatter_each_tick`: reduce-scattered gradients not in `acc` yet, as (tick, {key: chunk}).
-  scattered: list = dataclasses.field(default_factory=list)
 
 
 # XLA's GPU command buffers (CUDA graphs) for a pipeline's step: XLA's default kinds
@@ -329,7 +329,6 @@ class Program:
       st.acc, st.split_acc, st.loss = out.acc, out.split_acc, out.loss
     else:
       self._run_ticks(st, params, batch)
-      self._add_scattered(st)
     acc = st.acc
     with jax.named_scope("pj:step end"):
       if not self.grads.scatter_each_tick:
@@ -421,7 +420,6 @@ class Program:
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
     read = self._read(tick_i)
     leaves = params.get("leaves", [])
-    self._add_scattered(st, before=tick_i - 1)
     if zero == 3:
       segs, cast = gathered or self._gather(tick_i, params, after=st.loss)
     else:
@@ -467,12 +465,13 @@ class Program:
     for pos in [p for p in grads if p >= self.grads.split0]:
       st.split_acc[pos] = grads.pop(pos)
     if self.grads.scatter_each_tick and grads:
-      chunks = {}
       for key, x in self.grads.assemble(grads, self._switch, self.reduce_dtype,
                                         materialize=True).items():
         x = self.grads.collective(lax.psum_scatter, x, axes, scatter_dimension=0, tiled=True)
-        chunks[key] = self._before_next_tick(st, x).astype(key[1])
-      st.scattered.append((tick_i, chunks))
+        # Behind a barrier: XLA would reassociate a sum of reduce-scatters into one
+        # reduce-scatter of the summed whole gradients, held from tick to tick.
+        x = lax.optimization_barrier(self._before_next_tick(st, x).astype(key[1]))
+        st.acc[key] = st.acc[key] + x if key in st.acc else x
     else:
       st.acc.update(grads)
       for bucket in self.buckets.get(tick_i, []):
@@ -481,27 +480,6 @@ class Program:
         summed = self.grads.collective(lax.psum, tuple(st.acc[p] for p in bucket), axes,
                                        keep_dtype=False)
         st.acc.update(zip(bucket, (self._before_next_tick(st, x) for x in summed)))
-
-  def _add_scattered(self, st: "_State", before: int | None = None) -> None:
-    """Adds the reduce-scattered gradients of the ticks before `before` to the running
-    sums, which the loss, and so tick `before`'s switch, then waits for; None: all of
-    them, where no tick follows in straight-line code (the sums are read anyway).
-
-    Called before each tick for the ticks two back, so a tick's reduce-scatter runs
-    beside the next tick's work. Left to itself XLA adds them at the step's end, or
-    reassociates the sum of reduce-scatters into one reduce-scatter of the summed
-    gradients, and either way holds every tick's whole gradients until then."""
-    due = [c for t, c in st.scattered if before is None or t < before]
-    if not due:
-      return
-    st.scattered = [(t, c) for t, c in st.scattered if before is not None and t >= before]
-    for chunks in due:
-      for key, x in chunks.items():
-        st.acc[key] = st.acc[key] + x if key in st.acc else x
-    if before is not None:
-      keys = sorted(st.acc, key=str)
-      *sums, st.loss = lax.optimization_barrier((*[st.acc[k] for k in keys], st.loss))
-      st.acc.update(zip(keys, sums))
 
   def _before_next_tick(self, st: "_State", x: jax.Array) -> jax.Array:
     """x, a collective's result; under `order_collectives` the next tick's switch waits
@@ -513,7 +491,6 @@ class Program:
   def _loop(self, w: Window, st: "_State", params: dict, batch: list):
     """Ticks [w.start, w.stop) as a `lax.fori_loop` over the first `w.length` of them."""
     body_ticks = range(w.start, w.start + w.length)
-    self._add_scattered(st)
     # Every sum the loop adds to exists before it, so the carry keeps one structure.
     for t in body_ticks:
       grads = self.ticks[t].grads
@@ -534,7 +511,6 @@ class Program:
                      dict(zip(split_keys, c["split"])), c["loss"])
       for t in body_ticks:
         self._tick(t, inner, params, batch, j * w.mb_shift, reads, in_order=True)
-      self._add_scattered(inner)
       return {"carry": [inner.arrays[k.shifted(w.length)] for k in w.carry],
               "exits": [inner.arrays[k] for k in w.exits],
               "acc": [inner.acc[k] for k in acc_keys],
