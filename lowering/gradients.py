@@ -1,8 +1,8 @@
 """Where a step's weight gradients accumulate, and how they are reduced and laid out.
 
 A pipeline rank adds each task's weight gradients to running sums, one per leaf
-(flat, at a position ranks share by size: `match_positions`) under ZeRO 0/1, or to
-this replica's reduce-scattered (slot, dtype) segments under ZeRO 2/3. As the step
+(flat, at a position ranks share by size: `match_positions`), or, under ZeRO 2/3
+without a pipeline, to this replica's reduce-scattered (slot, dtype) segments. As the step
 ends the sums are laid out into the flat parameter segments (`assemble`) and reduced
 over the data axes once (`finish`). Split leaves (shard / shard_tensor) keep their
 pieces' shapes and are summed over their copies only (`finish_split`).

@@ -143,7 +143,7 @@ class ParamLayout:
 
   Stacking pads each rank's part of a slot to the largest rank's: a pipeline whose
   first stage holds a large embedding would give every rank that many bytes of
-  parameters and optimizer state. Below ZeRO-3 such slots (`spread`, see
+  parameters and optimizer state. Below ZeRO-3 (and in any pipeline) such slots (`spread`, see
   `options.spread_uneven_slots`) are stored as one flat array over all devices
   (`Spread`), an even share per device, and laid out stacked only inside the step
   (`to_working`, `from_working`), where the optimizer never sees them.

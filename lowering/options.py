@@ -17,7 +17,7 @@ class LoweringOptions:
       (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
       schedule or the number of microbatches; `roll` and gradient buckets do not apply.
       None (the default) chooses the loop for pipelines whose tasks run no collective
-      (no expert or tensor parallelism, no ZeRO-2/3 over data-parallel replicas) and
+      (no expert or tensor parallelism) and
       whose gradients are not reduced in buckets (`replicate`'s bucket_mb under
       ZeRO-0), and the per-tick program otherwise: a task's collectives sit inside the
       loop's switch, which a GPU then runs from the host, several times slower than per
@@ -33,14 +33,16 @@ class LoweringOptions:
       stores in its place when that is no larger; None does so in pipelines only.
     cast_weights: weights the model reads only in a narrower dtype are cast once per
       step (in slots of their own), not by every task that reads them.
-    cast_in_pipelines: the same in pipelines below ZeRO-3 (False: each task casts its own).
-    unpack_in_pipelines: a pipeline below ZeRO-3 slices its cast weights into arrays of
+    cast_in_pipelines: the same in pipelines (False: each task casts its own; a
+      pipeline's ZeRO-3 then gathers its weights in fp32). ZeRO-3 without a pipeline
+      gathers the cast weights in their narrower dtype whatever this says.
+    unpack_in_pipelines: a pipeline (any ZeRO stage) slices its cast weights into arrays of
       their own once per step, which every tick passes through, instead of each task
       slicing its weights from the packed segments.
     shard_masters: ZeRO-1/2 with weights read in a narrower dtype keep the fp32
       parameters sharded like the optimizer state and gather them in that dtype as the
-      step starts (the distributed optimizer).
-    spread_uneven_slots: below ZeRO-3, a slot whose pipeline ranks' parts differ so
+      step starts (the distributed optimizer). A pipeline's ZeRO-3 always does.
+    spread_uneven_slots: below ZeRO-3 (or in a pipeline), a slot whose pipeline ranks' parts differ so
       much that stacking them would pad it by more than a quarter (a large embedding
       on the first stage) is stored spread evenly over all devices, parameters and
       optimizer state, and laid out per rank only inside the step: each device holds

@@ -11,9 +11,9 @@ so on GPUs it runs as one CUDA graph. The compiled program's size does not grow 
 the number of microbatches, ticks or tasks per tick: warm-up and cool-down are
 iterations like the others.
 
-Collectives inside a branch (EP's all-to-all, ZeRO-2's reduce-scatter, ZeRO-3's
-all-gather) run over groups of devices that share a pipeline rank, which take the
-same branch in every tick.
+Collectives inside a branch (EP's all-to-all, ZeRO-3's all-gather where the loop is
+asked for without its layout gathering at the step's start) run over groups of devices
+that share a pipeline rank, which take the same branch in every tick.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LoopCarry:
   """What one tick hands the next: value stores, gradient sums and the loss."""
 
   stores: list
-  acc: dict       # ZeRO 0/1: gradient position -> sum; ZeRO 2/3: (slot, dtype) -> chunk
+  acc: dict       # gradient position -> sum (`GradientSums.zero_sums`)
   split_acc: dict  # split leaves' gradient positions -> sum
   loss: jax.Array
 

@@ -217,8 +217,9 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
                    for r in regions]
     # ZeRO-3 gathers weights in the dtype they are read in: a pipeline's once, as the step
     # starts, kept for the step; without a pipeline one region at a time.
-    gathered = (sum(read(p) for p in leaves) if pipelined else max(region_read, default=0)
-                ) if zero >= 3 else 0
+    # A pipeline's split pieces are gathered whole over their copies too.
+    gathered = (sum(read(p) for p in leaves) + sum(b for b, _ in pieces) if pipelined
+                else max(region_read, default=0)) if zero >= 3 else 0
     cast = int(sum(read(p) for p in leaves if p in model.copy_ratio))
     # ZeRO-1/2 with weights read in a narrower dtype keep the fp32 parameters sharded
     # and gather the narrow copy as the step starts (the distributed optimizer); below
@@ -229,8 +230,9 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     held = p_bytes if stacked is None else stacked  # parameters and optimizer state
     params = int(held / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
     # A pipeline sums a stage's gradients whole over its microbatches, at any ZeRO stage,
-    # and reduce-scatters them once.
-    grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1) + by_zero(2))
+    # and reduce-scatters them once; split pieces' sums are whole until the step ends.
+    grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1)
+                + sum(b for b, _ in pieces))
     opt = int((held / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
     acts = acts_of[rank]

@@ -207,6 +207,21 @@ def test_estimate_divides_state_by_zero_stage():
 
 
 @pytest.mark.timeout(60)
+def test_a_pipeline_counts_its_gradients_whole_at_every_zero_stage():
+  # A pipeline sums a stage's gradients whole over its microbatches and reduce-scatters
+  # them once: ZeRO-2/3 hold what ZeRO-1 holds; without a pipeline ZeRO-2 halves them.
+  loss, params, batch = _gpt(2)
+  tx = optax.adamw(1e-3)
+  est = lambda d, n: pj.strategies.estimate(loss, tx, params, batch, d, n).memory
+  pipe = [est(pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=z), 4) for z in (1, 2, 3)]
+  assert pipe[0].grads == pipe[1].grads == pipe[2].grads > 0
+  # Read in fp32, ZeRO-3's gathered weights are the whole fp32 ones, beside its shard.
+  assert pipe[2].params == pytest.approx(pipe[0].params / 2 + pipe[2].grads, rel=1e-5)
+  dp0, dp2 = (est(pj.strategies.data_parallel(2, zero=z), 2) for z in (0, 2))
+  assert dp2.grads == pytest.approx(dp0.grads / 2, rel=1e-6)
+
+
+@pytest.mark.timeout(60)
 def test_a_per_tick_pipeline_holds_two_copies_of_its_gradient_sums():
   # Lowered a switch per tick (EP's or TP's collectives in its tasks; here asked for), a
   # pipeline passes its running gradient sums through each tick's conditional, which

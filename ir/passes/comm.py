@@ -45,9 +45,11 @@ def insert_collectives(graph: Graph, model: ModelSpec, mesh: MeshSpec) -> Graph:
   ZeRO-1: one REDUCE_SCATTER before UPDATE, an ALL_GATHER of parameters after.
   ZeRO-2: a REDUCE_SCATTER per microbatch, an ALL_GATHER after UPDATE.
   ZeRO-3: an ALL_GATHER of parameters before every F and B, a REDUCE_SCATTER per
-  microbatch. Parameters read on several pipeline ranks get an ALL_REDUCE of
-  their gradients over "pp". Expert parameters (shard) are all-reduced only over
-  the copies of their expert group, with no ZeRO.
+  microbatch. A pipeline's ZeRO-2/3 communicate as its ZeRO-1 (the lowering sums a
+  stage's gradients whole and reduce-scatters them once; ZeRO-3 gathers the weights
+  as the step starts, after the previous update). Parameters read on several pipeline
+  ranks get an ALL_REDUCE of their gradients over "pp". Expert parameters (shard) are
+  all-reduced only over the copies of their expert group, with no ZeRO.
   """
   nodes, edges = list(graph.nodes.values()), list(graph.edges)
   by_region: dict[int, list[Node]] = {}
@@ -57,7 +59,8 @@ def insert_collectives(graph: Graph, model: ModelSpec, mesh: MeshSpec) -> Graph:
     upd = graph.nodes[f"upd{r.index}"]
     params = upd.tensors
     axes, replicas = mesh.copies(mesh.sharded.get(r.index))
-    zero = 0 if mesh.sharded.get(r.index) == "ep" else mesh.zero
+    zero = (0 if mesh.sharded.get(r.index) == "ep" else
+            min(mesh.zero, 1) if mesh.n_pp > 1 else mesh.zero)
     axis = "+".join(axes)
     if replicas > 1 and params:
       backs = [n for n in by_region[r.index] if n.pass_.value != "F"]

@@ -95,7 +95,15 @@ def test_replicate_inserts_collectives_by_zero_stage():
                     for k in (NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER)}
   assert counts[0][NodeKind.ALL_REDUCE] == 2
   assert counts[1][NodeKind.REDUCE_SCATTER] == 2 and counts[1][NodeKind.ALL_GATHER] == 2
-  assert counts[2][NodeKind.REDUCE_SCATTER] == 4
+  # A pipeline's ZeRO-2/3 reduce-scatter once and gather once, as its ZeRO-1.
+  assert counts[2] == counts[3] == counts[1]
+  # Without a pipeline: a reduce-scatter per microbatch, ZeRO-3 a gather per F and B.
+  for zero in (2, 3):
+    plan = ir.make_plan(model, [pj.split(2)] + pj.strategies.data_parallel(2, zero=zero),
+                        n_devices=2)
+    counts[zero] = {k: sum(1 for n in plan.graph.nodes.values() if n.kind is k)
+                    for k in (NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER)}
+  assert counts[2][NodeKind.REDUCE_SCATTER] == 4 and counts[2][NodeKind.ALL_GATHER] == 2
   assert counts[3][NodeKind.ALL_GATHER] == 8 and counts[3][NodeKind.REDUCE_SCATTER] == 4
 
 
