@@ -110,7 +110,8 @@ def main(argv=None):
   out = args.out or (os.path.join(os.environ["OUT"], "compile_only.json")
                      if os.environ.get("OUT") else None)
   meta = {"model": model, "batch": args.batch, "microbatches": args.microbatches, "pp": args.pp,
-          "seq_len": args.seq_len, "layers": args.layers, "mock_gpus": args.mock_gpus, "devices": len(jax.devices())}
+          "seq_len": args.seq_len, "layers": args.layers, "mock_gpus": args.mock_gpus,
+          "devices": len(jax.devices())}
   for variant in args.variants.split(","):
     try:
       row = compile_variant(variant, model, args.batch, args.microbatches, args.pp,

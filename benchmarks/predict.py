@@ -142,8 +142,9 @@ def main(argv=None):
       parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
       pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
       measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"
+      measured_ms = "-" if p["measured_ms"] is None else f"{p['measured_ms']:.1f}"
       print(f"| {p['model']} | {p['variant']} | {measured} | {p['predicted_gib']:.2f} ({parts}) "
-            f"| {'-' if p['measured_ms'] is None else format(p['measured_ms'], '.1f')} | {pred_ms} | "
+            f"| {measured_ms} | {pred_ms} | "
             f"{'-' if p['calibrated_ms'] is None else format(p['calibrated_ms'], '.1f')} |",
             flush=True)
 

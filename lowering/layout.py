@@ -143,8 +143,8 @@ class ParamLayout:
 
   Stacking pads each rank's part of a slot to the largest rank's: a pipeline whose
   first stage holds a large embedding would give every rank that many bytes of
-  parameters and optimizer state. Below ZeRO-3 (and in any pipeline) such slots (`spread`, see
-  `options.spread_uneven_slots`) are stored as one flat array over all devices
+  parameters and optimizer state. Below ZeRO-3 (and in any pipeline) such slots
+  (`spread`, see `options.spread_uneven_slots`) are stored as one flat array over all devices
   (`Spread`), an even share per device, and laid out stacked only inside the step
   (`to_working`, `from_working`), where the optimizer never sees them.
   """
@@ -158,8 +158,8 @@ class ParamLayout:
              for p, d in dims.items()}
     self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
     # A pipeline's ZeRO-3 gathers its parameters once, as the step starts, and keeps
-    # them for the step (`gather_masters`): its tasks then run no collective of their own
-    # and the pipeline runs as one loop. It is lowered as ZeRO-2 with sharded masters
+    # them for the step (`gather_masters`): its tasks then hold no collective of their
+    # own and the pipeline is lowered as one loop. It is lowered as ZeRO-2 with sharded masters
     # (a pipeline's ZeRO-2 sums gradients whole and reduce-scatters them once): gathered
     # a tick at a time, a stage's weights were held for the step all the same, since
     # consecutive ticks read them, and the per-tick program holds more.

@@ -42,8 +42,8 @@ class LoweringOptions:
     shard_masters: ZeRO-1/2 with weights read in a narrower dtype keep the fp32
       parameters sharded like the optimizer state and gather them in that dtype as the
       step starts (the distributed optimizer). A pipeline's ZeRO-3 always does.
-    spread_uneven_slots: below ZeRO-3 (or in a pipeline), a slot whose pipeline ranks' parts differ so
-      much that stacking them would pad it by more than a quarter (a large embedding
+    spread_uneven_slots: below ZeRO-3 (or in a pipeline), a slot whose pipeline ranks'
+      parts differ so much that stacking them would pad it by more than a quarter (a large embedding
       on the first stage) is stored spread evenly over all devices, parameters and
       optimizer state, and laid out per rank only inside the step: each device holds
       an even share of the state instead of the largest rank's, at the cost of

@@ -10,8 +10,8 @@ the flat parameter segments and reduced once at the end (ZeRO 0/1, and a pipelin
 ZeRO 2/3), or laid out and reduce-scattered per tick (ZeRO 2/3 without a pipeline);
 ZeRO-3 without a pipeline all-gathers the slots a tick reads one tick ahead, before the
 previous tick's switch, and keeps the slots that consecutive ticks read (a pipeline's
-gathers them as the step starts: `ParamLayout.gathers_at_start`). Expert-parallel regions exchange their tokens by all-to-all over "ep"
-before and after each pass; split weights' pieces (shard, shard_tensor) get their
+gathers them as the step starts: `ParamLayout.gathers_at_start`). Expert-parallel
+regions exchange their tokens by all-to-all over "ep" before and after each pass; split weights' pieces (shard, shard_tensor) get their
 gradients reduced only over their copies (`lowering/gradients.py`).
 """
 
@@ -104,7 +104,7 @@ def lowers_as_loop(plan: Plan, options: LoweringOptions) -> bool:
   if not options.roll or options.max_carry_depth > 1:
     return False  # asked for the per-tick program's own unrolling or deeper carries
   mesh = plan.mesh
-  # (A pipeline's ZeRO-3 gathers its weights as the step starts: `ParamLayout.gathers_at_start`.)
+  # (A pipeline's ZeRO-3 gathers its weights as the step starts: `gathers_at_start`.)
   in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1
   buckets = mesh.zero == 0 and bool(plan.bucket_mb) and mesh.n_data > 1
   return mesh.n_pp > 1 and not in_tasks and not buckets

@@ -210,6 +210,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     leaves = sorted({p for r in regions for p in spec.regions[r].params} - set(group))
     p_bytes = sum(spec.params[p].nbytes for p in leaves)
     pieces = [(spec.params[p].nbytes / g, n // g) for p, g in group.items()]
+    piece_bytes = sum(b for b, _ in pieces)  # this device's pieces, whole over their copies
     by_zero = lambda stage: sum(b / (c if zero >= stage else 1) for b, c in pieces)
     # A leaf's bytes in the dtype the model reads it in (cast once a step).
     read = lambda p: spec.params[p].nbytes * model.copy_ratio.get(p, 1.0)
@@ -218,7 +219,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     # ZeRO-3 gathers weights in the dtype they are read in: a pipeline's once, as the step
     # starts, kept for the step; without a pipeline one region at a time.
     # A pipeline's split pieces are gathered whole over their copies too.
-    gathered = (sum(read(p) for p in leaves) + sum(b for b, _ in pieces) if pipelined
+    gathered = (sum(read(p) for p in leaves) + piece_bytes if pipelined
                 else max(region_read, default=0)) if zero >= 3 else 0
     cast = int(sum(read(p) for p in leaves if p in model.copy_ratio))
     # ZeRO-1/2 with weights read in a narrower dtype keep the fp32 parameters sharded
@@ -231,8 +232,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     params = int(held / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
     # A pipeline sums a stage's gradients whole over its microbatches, at any ZeRO stage,
     # and reduce-scatters them once; split pieces' sums are whole until the step ends.
-    grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1)
-                + sum(b for b, _ in pieces))
+    grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1) + piece_bytes)
     opt = int((held / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
     acts = acts_of[rank]

@@ -348,7 +348,7 @@ def test_zero3_gathers_one_tick_ahead():
 
 def test_zero3_pipeline_gathers_its_weights_as_the_step_starts():
   # In a pipeline every tick of a rank reads its stage's weights: ZeRO-3 gathers each
-  # segment once, as the step starts, and the ticks run as one loop.
+  # segment once, as the step starts, and the ticks form one loop.
   loss, params = _mlp(2)
   directives = pj.strategies.pipeline(2, 4, "1f1b", dp=4, zero=3)
   step, state = assert_same_run(loss, params, directives, batch_size=32)
