@@ -17,3 +17,11 @@ MEMORY_BYTES = {"H100": 81559 * 2**20, "H200": 143771 * 2**20, "A100": 81920 * 2
 def memory_bytes(device_kind: str) -> int | None:
   """A card's memory by its device kind, or None when unknown."""
   return next((v for k, v in MEMORY_BYTES.items() if k in device_kind), None)
+
+# Memory bandwidth per card in bytes per second (HBM, as specified).
+MEMORY_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+
+
+def memory_bytes_per_s(device_kind: str) -> float | None:
+  """A card's memory bandwidth by its device kind, or None when unknown."""
+  return next((v for k, v in MEMORY_BYTES_PER_S.items() if k in device_kind), None)

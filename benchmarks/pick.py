@@ -5,8 +5,8 @@ same call measured.
 
 From shapes on a CPU: the model of the files' rows (their meta's batch, sequence length
 and blocks) with `--regions` PP regions, searched over the rows' device count and the
-card's memory, with matmuls at the FLOP/s the call's plain-JAX baseline reached and
-`--link-gbps` links. Prints the ranking, each candidate beside the measured row of the
+card's memory, with matmuls at the FLOP/s the call's plain-JAX baseline reached (or,
+with `--calibrate` on a GPU, each region timed there) and `--link-gbps` links. Prints the ranking, each candidate beside the measured row of the
 same strategy where the files have one (the same schedule, ZeRO stage and microbatches;
 run.py splits a model into its own stages, which may differ from the candidate's), and
 the pick's measured step against the fastest measured row.
@@ -46,8 +46,16 @@ def main(argv=None):
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--seq-len", type=int, default=0, help="for files whose meta lacks it")
   ap.add_argument("--layers", type=int, default=0, help="for files whose meta lacks it")
+  ap.add_argument("--calibrate", default=None, metavar="CACHE",
+                  help="rank by each region's F and B and the optimizer's update timed on "
+                       "this machine's first device (pj.calibrate at one device's rows of "
+                       "the batch; CACHE keeps the timings) instead of FLOP counts")
   args = ap.parse_args(argv)
-  run._setup_cpu(True)
+  if not args.calibrate:
+    run._setup_cpu(True)
+  import dataclasses
+
+  import jax
   import optax
 
   import piper_jax as pj
@@ -57,7 +65,7 @@ def main(argv=None):
   meta = data[0]["meta"]
   rows = [r for d in data for r in d["rows"] if "error" not in r]
   model, n, kind = rows[0]["model"], rows[0]["devices"], rows[0]["device_kind"]
-  costs, base = baseline_costs(rows, args.link_gbps * 1e9)
+  costs, base = baseline_costs(rows, args.link_gbps * 1e9, meta, args.seq_len, args.layers)
   if base is None:
     raise ValueError("the files hold no jit-dp, gspmd-fsdp or shmap-dp row: the estimates "
                      "take their matmul FLOP/s from the call's plain-JAX baseline; add a file "
@@ -68,8 +76,14 @@ def main(argv=None):
   family = run.step_family(model)
   net = run.make_net(model, config)
   params, batch = run.shapes(family, net, config, meta["batch"])
-  found = pj.strategies.search(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
-                               batch, n, memory_bytes(kind), costs=costs)
+  tx = optax.adamw(1e-4, weight_decay=0.1)
+  if args.calibrate:  # real token ids: an embedding's gradient scatters by them
+    values = family.random_batch(config, jax.random.PRNGKey(0), meta["batch"])
+    times = pj.calibrate(family.loss_fn(net), params, values, meta["batch"] // n,
+                         cache=args.calibrate, optimizer=tx)
+    costs = dataclasses.replace(costs, region_times=times)
+  found = pj.strategies.search(family.loss_fn(net), tx, params, batch, n, memory_bytes(kind),
+                               costs=costs)
   measured = {}  # a later file's row of a variant stands for it
   for r in rows:
     if run.split_variant(r["variant"])[1] in ([], ["ep"]):

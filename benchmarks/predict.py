@@ -7,13 +7,14 @@ XLA's count and which have no step time),
 `pj.strategies.estimate` of the same directives on the row's devices, from shapes:
 peak memory per device against the measured `peak_gib`, and the step time against the
 measured one, with matmuls at the FLOP/s the same call's `jit-dp` row (else its
-`gspmd-fsdp` row) achieved and links at `--link-gbps`. Rows that ran cuDNN's fused
+`gspmd-fsdp` row) achieved beside its optimizer's update, the update at the card's
+memory bandwidth, and links at `--link-gbps`. Rows that ran cuDNN's fused
 attention are traced with XLA's attention recomputed in the backward, which keeps what
 the fused kernel keeps (q, k, v), not the T x T probabilities.
 
 With `--calibrate CACHE`, run on a GPU, step times are also simulated from each region's
 F and B timed there (`pj.calibrate` at the row's microbatch rows, with the row's
-attention and the batch's own token ids).
+attention and the batch's own token ids), and the optimizer's update timed per byte.
 """
 
 from __future__ import annotations
@@ -30,19 +31,41 @@ sys.path.insert(0, HERE)
 import run  # noqa: E402
 
 
-def baseline_costs(rows: list[dict], link_bytes_per_s: float):
+def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_len: int = 0,
+                   layers: int = 0):
   """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached, that
   baseline's row): jit DP, else GSPMD FSDP where DP does not fit, else shard_map DP (the
   MoE's); (the default FLOP/s, None) for a call without one that ran (compile_only.py's
-  rows have no FLOP/s)."""
+  rows have no FLOP/s). The baseline's step also ran AdamW's update over the parameters
+  each device holds (all of them; GSPMD FSDP's 1/n), at the card's memory bandwidth, and
+  shard_map DP its `pmean` of the gradients after the backward, which nothing overlaps
+  (an all-reduce at `link_bytes_per_s`): its FLOP/s are of the rest of the step, as the
+  estimates add those apart."""
+  import jax
+  import math
+
   import piper_jax as pj
-  from hardware import peak_flops
+  from hardware import memory_bytes_per_s, peak_flops
   base = next((r for name in ("jit-dp", "gspmd-fsdp", "shmap-dp") for r in rows
                if r["variant"] == name and "error" not in r and r.get("mfu")), None)
   if base is None:
     return pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s), None
-  return pj.strategies.CostModel(flops_per_s=base["mfu"] * peak_flops(base["device_kind"]),
-                                 link_bytes_per_s=link_bytes_per_s), base
+  costs = pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s,
+                                  memory_bytes_per_s=memory_bytes_per_s(base["device_kind"]))
+  config, net, _ = run.build(base["variant"], base["model"], base["devices"],
+                             meta["microbatches"], meta.get("pp", 2),
+                             seq_len=meta.get("seq_len") or seq_len,
+                             layers=meta.get("layers") or layers)
+  params, _ = run.shapes(run.step_family(base["model"]), net, config, meta["batch"])
+  p_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+  held = p_bytes / (base["devices"] if base["variant"] == "gspmd-fsdp" else 1)
+  step = base["step_ms"] / 1e3
+  other = costs.update_seconds(held, 2.0)  # AdamW: two moments per parameter
+  if base["variant"] == "shmap-dp":
+    n = base["devices"]
+    other += 2 * (n - 1) / n * p_bytes / link_bytes_per_s
+  achieved = base["mfu"] * peak_flops(base["device_kind"])
+  return dataclasses.replace(costs, flops_per_s=achieved * step / (step - other)), base
 
 
 def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0,
@@ -58,7 +81,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
   data = json.load(open(path))
   meta, rows = data["meta"], data["rows"]
   ok = [r for r in rows if "error" not in r]
-  costs, base = baseline_costs(ok, link_bytes_per_s)
+  costs, base = baseline_costs(ok, link_bytes_per_s, meta, seq_len, layers)
   out = []
   for r in ok:
     variant = r["variant"]
@@ -93,7 +116,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
       # Real token ids: an embedding's gradient scatters by them.
       values = family.random_batch(config, key, meta["batch"])
       times, _ = run.timed_regions(family.loss_fn(timed_net), params, values, est.plan,
-                                   use_remat, calibrate)
+                                   use_remat, calibrate, optax.adamw(1e-4, weight_decay=0.1))
       timed = pj.strategies.estimate(
           family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params, batch, directives,
           n, costs=dataclasses.replace(costs, region_times=times), remat=remat,
@@ -110,6 +133,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
                 "grads_with_activations": m.grads_with_activations,
                 "measured_ms": r.get("step_ms"),
                 "predicted_ms": est.step_time * 1e3 if base is not None else None,
+                "update_ms": est.update_time * 1e3,
                 "calibrated_ms": timed_ms})
   return out
 
@@ -132,7 +156,7 @@ def main(argv=None):
   print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
         "activations, weight copies, working, per-tick sums' copy; grads beside activations "
         "or the larger) | "
-        "step ms measured | predicted | from timed regions |")
+        "step ms measured | predicted (of it the optimizer's update) | from timed regions |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
   for path in args.files:
     for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers, args.calibrate):
@@ -140,7 +164,8 @@ def main(argv=None):
                                                 "activations_gib", "copies_gib", "working_gib",
                                                 "sums_copy_gib"))
       parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
-      pred_ms = f"{p['predicted_ms']:.1f}" if p["predicted_ms"] is not None else "-"
+      pred_ms = (f"{p['predicted_ms']:.1f} ({p['update_ms']:.1f})"
+                 if p["predicted_ms"] is not None else "-")
       measured = f"{p['measured_gib']:.2f}" if p["measured_gib"] else "-"
       measured_ms = "-" if p["measured_ms"] is None else f"{p['measured_ms']:.1f}"
       print(f"| {p['model']} | {p['variant']} | {measured} | {p['predicted_gib']:.2f} ({parts}) "

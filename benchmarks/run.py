@@ -378,14 +378,16 @@ def init_params(family, net, seed: int = 0):
   return jax.tree_util.tree_unflatten(tree, [leaf(i, p, s) for i, (p, s) in enumerate(flat)])
 
 
-def timed_regions(loss_fn, params, batch, plan, remat: bool, cache: str):
+def timed_regions(loss_fn, params, batch, plan, remat: bool, cache: str, optimizer=None):
   """(`pj.calibrate` of every region at `plan`'s microbatch rows on the first device,
-  those rows), for a global `batch` with values (its token ids are timed)."""
+  those rows), for a global `batch` with values (its token ids are timed); with
+  `optimizer`, its update too."""
   import jax
 
   import piper_jax as pj
   rows = jax.tree_util.tree_leaves(batch)[0].shape[0] // (plan.mesh.n_data * plan.n_microbatches)
-  return pj.calibrate(loss_fn, params, batch, rows, remat=remat, cache=cache), rows
+  return pj.calibrate(loss_fn, params, batch, rows, remat=remat, cache=cache,
+                      optimizer=optimizer), rows
 
 
 def baseline_call(base: str, devices, loss_fn, tx, params, microbatches: int, pp: int,

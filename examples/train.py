@@ -220,7 +220,7 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
   if args.calibrate:  # measured region times on this device instead of FLOP counts
     rows = max(1, args.batch // len(devices))
     times = pj.calibrate(loss_fn, params, batch, rows, device=devices[0],
-                         remat=bool(args.remat), cache=args.calibrate)
+                         remat=bool(args.remat), cache=args.calibrate, optimizer=optimizer)
     costs = pj.strategies.CostModel(region_times=times)
   try:
     result = pj.strategies.search(loss_fn, optimizer, params, batch, len(devices), memory,

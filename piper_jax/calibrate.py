@@ -5,8 +5,10 @@ A region's F is what a pipeline task runs (its traced vjp, keeping its residuals
 takes F's residuals and the output cotangents to the parameter and input gradients, and
 its BI to the input cotangents alone (BW is the rest of B).
 Both are compiled alone with `jax.jit` at one microbatch's rows and timed; times scale
-linearly to other microbatch sizes (`RegionTimes.costs`). A JSON file (`cache`) keeps
-them per device kind, rows and region program, so a machine measures a model once.
+linearly to other microbatch sizes (`RegionTimes.costs`). Given the optimizer, its
+update is timed too, per parameter byte (memory-bound, what ZeRO and expert parallelism
+divide). A JSON file (`cache`) keeps them per device kind, rows and region program, so
+a machine measures a model once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -22,6 +25,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (analyze_region, backward_input, full_residuals,
@@ -41,6 +45,8 @@ class RegionTimes:
     forward, backward: region index -> seconds of its F and of its B.
     backward_input: region index -> seconds of its BI (the input cotangents alone, as
       zero-bubble schedules run it); its BW is the rest of B. Empty: half of B each.
+    update_s_per_byte: seconds of the optimizer's update per byte of parameters it
+      updates (0: not measured, no optimizer given).
   """
 
   device_kind: str
@@ -48,6 +54,7 @@ class RegionTimes:
   forward: Mapping[int, float]
   backward: Mapping[int, float]
   backward_input: Mapping[int, float] = dataclasses.field(default_factory=dict)
+  update_s_per_byte: float = 0.0
 
   def costs(self, rows: int, comm: float = 0.0) -> dict:
     """`Plan.simulate` costs at `rows` rows per microbatch: {(region, pass): seconds},
@@ -81,7 +88,8 @@ def _rows_of(batch: Any, rows: int) -> Any:
 _INT_BOUND = 256
 # Part of a cached timing's key: timings made otherwise (each call waited for, all-zero
 # ids) do not match.
-_METHOD = f"calls back to back; ints below {_INT_BOUND} or the batch's own"
+_METHOD = (f"calls back to back; ints below {_INT_BOUND} or the batch's own; activations "
+           f"from the regions before")
 
 
 def _filled(avals, key, device, given: list | None = None) -> list:
@@ -124,16 +132,42 @@ def _seconds(fn: Callable, args: tuple, repeats: int) -> float:
   return statistics.median(rounds)
 
 
+# The most parameter elements the optimizer's update is timed on: 256 MiB of fp32, far
+# beyond the caches, so that a large model's time per byte is the memory's.
+_UPDATE_ELEMENTS = 1 << 26
+
+
+def _update_seconds_per_byte(optimizer, dtype, elements: int, device, repeats: int,
+                             known: dict) -> float:
+  """Seconds per parameter byte of `optimizer`'s update and apply on `device`, timed on
+  one leaf of `elements` elements of `dtype` (the update is memory-bound: its time
+  grows with the bytes, whatever the leaves' shapes)."""
+  x = jax.device_put(jnp.full((elements,), 0.01, dtype), device)
+  state = jax.device_put(optimizer.init(x), device)
+
+  def step(p, s, g):
+    u, s = optimizer.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  name = hashlib.sha256(repr((device.device_kind, _METHOD, "update",
+                              str(jax.make_jaxpr(step)(x, state, x)))).encode()).hexdigest()
+  if name not in known:
+    known[name] = _seconds(jax.jit(step), (x, state, x), repeats) / (x.size * x.dtype.itemsize)
+  return known[name]
+
+
 def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
               device: Any = None, remat: bool = False, repeats: int = 5,
-              cache: str | os.PathLike | None = None) -> RegionTimes:
+              cache: str | os.PathLike | None = None,
+              optimizer: optax.GradientTransformation | None = None) -> RegionTimes:
   """Times every region's F and B of `loss_fn` at `rows` rows on one device.
 
   Args:
     loss_fn, params, example_batch: as `pj.compile` takes them (shapes are enough);
       the batch's leading axis has at least `rows` rows. A batch with values is timed
       on its first rows (token ids decide how an embedding's gradient scatters);
-      leaves given as shapes get small random values.
+      leaves given as shapes get small random values. Parameters are random; each
+      region's activation inputs are what the regions before it made of them.
     rows: rows of one microbatch per device (e.g. the global batch over data-parallel
       replicas and microbatches).
     device: where to time (default: the first device).
@@ -141,6 +175,8 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     repeats: timed calls per pass (the median counts).
     cache: a JSON file of earlier measurements: regions found there (same device kind,
       rows, remat and program) are not timed again; new ones are added.
+    optimizer: the optimizer `pj.compile` takes; when given, its update is timed too
+      (`RegionTimes.update_s_per_byte`, in the largest parameter leaf's dtype).
 
   Returns:
     `RegionTimes`; `RegionTimes.costs(rows)` goes to `plan.simulate`, and
@@ -160,19 +196,35 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
       known = json.load(fh)
   forward, backward, inputs_only = {}, {}, {}
   key = jax.random.PRNGKey(0)
-  for spec in traced.spec.regions:
+  regions = traced.spec.regions
+  ads = [analyze_region(runner, spec.index, remat) for spec in regions]
+  names = [hashlib.sha256(repr((device.device_kind, rows, remat, _METHOD, str(ad.jaxpr))
+                               ).encode()).hexdigest() for ad in ads]
+  # Each region is timed on what the regions before it made of random parameters and
+  # the batch's rows, run in trace order: values of the model's own range (the token
+  # slots an expert dispatch gathers by; zeros would pile every scatter-add of their
+  # backward onto one row). A value is dropped after its last reader.
+  last_read = {(x.region, x.output): spec.index for spec in regions for x in spec.inputs}
+  values: dict = {}
+  timing = any(name not in known for name in names)
+  for spec, ad, name in zip(regions, ads, names):
     r = spec.index
-    ad = analyze_region(runner, r, remat)
-    name = hashlib.sha256(repr((device.device_kind, rows, remat, _METHOD, str(ad.jaxpr))
-                               ).encode()).hexdigest()
+    p_avals, b_avals, a_avals = runner.avals(r)
+    given = [None, [batch_rows[i] for i in spec.batch],
+             [values.get((x.region, x.output)) for x in spec.inputs], None]
+    if timing and any(ref[0] == r for ref in last_read):
+      region_in = [_filled(avals, jax.random.fold_in(key, n), device, given[n])
+                   for n, avals in enumerate((p_avals, b_avals, a_avals))]
+      outs = jax.jit(lambda p, b, a, r=r: runner.run(r, p, b, a))(*region_in)
+      values.update(((r, k), o) for k, o in enumerate(outs) if (r, k) in last_read)
+    for ref in [ref for ref, reader in last_read.items() if reader == r]:
+      values.pop(ref, None)
     if name in known:
       forward[r], backward[r], inputs_only[r] = known[name]
       continue
-    p_avals, b_avals, a_avals = runner.avals(r)
     outs = runner.out_avals(r)
     ct_avals = [outs[k] for k in ad.float_outs]
     split = split_backward(ad, ct_avals)
-    given = [None, [batch_rows[i] for i in spec.batch], None, None]
     inputs = tuple(_filled(avals, jax.random.fold_in(key, n), device, given[n])
                    for n, avals in enumerate((p_avals, b_avals, a_avals, ct_avals)))
 
@@ -195,7 +247,13 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     forward[r], backward[r] = f, max(fb - f, 0.1 * f)
     inputs_only[r] = min(max(fbi - f, 0.05 * f), backward[r])
     known[name] = [forward[r], backward[r], inputs_only[r]]
+  update = 0.0
+  if optimizer is not None:
+    leaves = jax.tree_util.tree_leaves(params)
+    dtype = max(leaves, key=lambda x: math.prod(x.shape)).dtype
+    elements = min(_UPDATE_ELEMENTS, sum(math.prod(x.shape) for x in leaves))
+    update = _update_seconds_per_byte(optimizer, dtype, elements, device, repeats, known)
   if cache:
     with open(cache, "w") as fh:
       json.dump(known, fh, indent=1)
-  return RegionTimes(device.device_kind, rows, forward, backward, inputs_only)
+  return RegionTimes(device.device_kind, rows, forward, backward, inputs_only, update)

@@ -44,15 +44,31 @@ class CostModel:
     tick_overhead_s: fixed time per tick of the plan (each tick is one step of the
       lowered loop: a launch and a round of messages), which makes many small
       microbatches cost something.
+    memory_bytes_per_s: bytes per second one device reads or writes its own memory.
+      The optimizer's update is bound by it: every step reads each parameter, gradient
+      and state byte a device updates and writes the parameters and state back, after
+      its gradients are summed (what expert parallelism and ZeRO divide).
     region_times: measured seconds of each region's F and B (`pj.calibrate`), scaled
       to each candidate's microbatch rows; when given, tasks cost these instead of
-      their FLOPs at `flops_per_s`.
+      their FLOPs at `flops_per_s`, and the update its measured seconds per byte
+      (when `pj.calibrate` was given the optimizer) instead of `memory_bytes_per_s`.
   """
 
   flops_per_s: float = 400e12
   link_bytes_per_s: float = 100e9
   tick_overhead_s: float = 20e-6
+  memory_bytes_per_s: float = 3e12
   region_times: RegionTimes | None = None
+
+  def update_seconds(self, param_bytes: float, opt_ratio: float) -> float:
+    """Seconds of the optimizer's update over `param_bytes` of parameters with
+    `opt_ratio` bytes of state per parameter byte: measured per byte when the region
+    times hold it, else its reads (parameters, gradients, state) and writes
+    (parameters, state) at `memory_bytes_per_s`."""
+    measured = self.region_times.update_s_per_byte if self.region_times else 0.0
+    if measured > 0:
+      return param_bytes * measured
+    return param_bytes * (3 + 2 * opt_ratio) / self.memory_bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +112,16 @@ class MemoryEstimate:
 @dataclasses.dataclass(frozen=True)
 class Estimate:
   """What one strategy is estimated to cost (`estimate`): seconds per step, its compute
-  (with bubbles) and communication parts, the simulated bubble, and peak bytes per device."""
+  (with bubbles), communication and optimizer-update parts, the simulated bubble, and
+  peak bytes per device."""
 
   step_time: float
   compute_time: float
   comm_time: float
   bubble_fraction: float
   memory: MemoryEstimate
-  plan: Plan = dataclasses.field(repr=False, compare=False)
+  update_time: float = 0.0
+  plan: Plan = dataclasses.field(default=None, repr=False, compare=False)
 
 
 # -- the model, measured once ---------------------------------------------------
@@ -165,8 +183,8 @@ def measure_model(loss_fn, optimizer, params, example_batch) -> MeasuredModel:
 # -- estimates ---------------------------------------------------------------------
 
 def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: bool,
-                  options: LoweringOptions = LoweringOptions()):
-  """(step_time, compute_time, comm_time, bubble, MemoryEstimate) of a planned candidate."""
+                  options: LoweringOptions = LoweringOptions()) -> Estimate:
+  """The `Estimate` of a planned candidate."""
   spec, mesh = model.spec, plan.mesh
   rows = model.batch_size // (mesh.n_data * plan.n_microbatches)  # rows of one microbatch
   scale = rows / model.batch_size  # the trace holds the whole batch; costs scale with rows
@@ -183,7 +201,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   act = model.act_bytes(remat)
   full = model.act_bytes(False) if remat else act
   peak = MemoryEstimate(0, 0, 0, 0)
-  comm = 0.0
+  comm = exposed = update = 0.0
   pipelined = mesh.n_pp > 1
   ep, tp = mesh.size("ep"), mesh.size("tp")
   tokens = _tokens(spec) * scale  # tokens of one microbatch on one device's rows
@@ -233,7 +251,9 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     # A pipeline sums a stage's gradients whole over its microbatches, at any ZeRO stage,
     # and reduce-scatters them once; split pieces' sums are whole until the step ends.
     grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1) + piece_bytes)
-    opt = int((held / (n if zero >= 1 else 1) + by_zero(1)) * model.opt_ratio)
+    updated = held / (n if zero >= 1 else 1) + by_zero(1)  # parameter bytes it updates
+    opt = int(updated * model.opt_ratio)
+    update = max(update, costs.update_seconds(updated, model.opt_ratio))
     p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
     acts = acts_of[rank]
     # A backward under remat first recomputes what its forward dropped.
@@ -253,7 +273,8 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     else:
       dp_bytes = f * p_bytes * 3 * m
     # Expert parallel: each EP region's tokens go to their experts' devices and back,
-    # in F and again in B, every microbatch.
+    # in F and again in B, every microbatch. These and tensor parallelism's reductions
+    # sit between a region's computations, which wait for them.
     sent = sum(4 * (ep - 1) / ep * x.spec.nbytes * scale * m
                for r in regions if mesh.sharded.get(r) == "ep"
                for x in spec.regions[r].inputs)
@@ -270,12 +291,14 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
         if a != b and rank in (a, b):
           sent += x.spec.nbytes * scale * m
     comm = max(comm, (dp_bytes + sent) / costs.link_bytes_per_s)
+    exposed = max(exposed, sent / costs.link_bytes_per_s)
   # Without a pipeline, XLA runs the data-parallel reductions and gathers beside the
   # compute that does not need them (the backward of later layers, the forward of
-  # earlier ones): only communication beyond the compute's time shows. A pipeline's
-  # loop reduces after its last tick and waits for its messages each tick.
-  step = compute + comm if pipelined else max(compute, comm)
-  return step, compute, comm, report.bubble_fraction, peak
+  # earlier ones): only communication beyond the compute's time shows, besides what
+  # the regions wait for. A pipeline's loop reduces after its last tick and waits for
+  # its messages each tick. The update follows the summed gradients.
+  step = (compute + comm if pipelined else max(compute, comm - exposed) + exposed) + update
+  return Estimate(step, compute, comm, report.bubble_fraction, peak, update, plan)
 
 
 def _stacked_bytes(model: MeasuredModel, plan: Plan, options: LoweringOptions) -> int:
@@ -340,6 +363,5 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
   model = measure_model(loss_fn, optimizer, params, example_batch)
   plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
   use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
-  step, compute, comm, bubble, mem = estimate_plan(model, plan, costs or CostModel(), use_remat,
-                                                options or LoweringOptions())
-  return Estimate(step, compute, comm, bubble, mem, plan)
+  return estimate_plan(model, plan, costs or CostModel(), use_remat,
+                       options or LoweringOptions())

@@ -38,8 +38,8 @@ _GIB = 1 << 30
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate(Estimate):
   """A strategy that fits, with its estimates (`Estimate`'s fields: step_time,
-  compute_time, comm_time, bubble_fraction, memory and the plan simulated, from the one
-  trace at the example batch's size).
+  compute_time, comm_time, bubble_fraction, memory, update_time and the plan simulated,
+  from the one trace at the example batch's size).
 
   Attributes:
     name: e.g. "1f1b pp2 x dp4 zero1" or "dp8 zero3".
@@ -386,8 +386,11 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   `tick_overhead_s` per tick, plus communication at `link_bytes_per_s`: data-parallel
   reductions and gathers by ZeRO stage and pipeline activations and their cotangents,
   added to a pipeline's compute and hidden behind the compute of a step without one
-  (only what exceeds it counts). Elementwise work and attention's non-matmul cost are
-  left out.
+  (only what exceeds it counts; expert and tensor parallelism's exchanges, which the
+  next computation waits for, are added), plus the optimizer's update over the
+  parameters each device updates (memory-bound: `memory_bytes_per_s`, or its measured
+  time from `pj.calibrate`). Elementwise work and attention's non-matmul cost are
+  otherwise left out.
 
   Peak memory per device (the busiest pipeline rank, `MemoryEstimate`): its regions'
   parameters (as given: fp32 masters stay fp32), gradients of the same size, and
@@ -480,7 +483,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
       rejected.append(Rejected(lay.name, directives, lay.n_microbatches, f"does not plan: {e}"))
       continue
     use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
-    step, compute, comm, bubble, mem = estimate_plan(model, plan, costs, use_remat)
+    est = estimate_plan(model, plan, costs, use_remat)
+    mem = est.memory
     if mem.total > headroom * memory_per_device:
       of = ("" if headroom == 1 else
             f" ({100 * headroom:.0f}% of {format_bytes(memory_per_device)})")
@@ -488,7 +492,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
                                f"needs {format_bytes(mem.total)} of "
                                f"{format_bytes(headroom * memory_per_device)}{of}", mem.total))
       continue
-    fits.append(Candidate(step, compute, comm, bubble, mem, plan, name=lay.name,
+    fits.append(Candidate(**{f.name: getattr(est, f.name) for f in dataclasses.fields(Estimate)},
+                          name=lay.name,
                           directives=directives, schedule=lay.schedule, n_ranks=lay.n_ranks,
                           dp=lay.dp, zero=lay.zero, stages=lay.stages,
                           n_microbatches=lay.n_microbatches))

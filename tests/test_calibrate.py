@@ -46,6 +46,22 @@ def test_every_region_is_timed_and_the_cache_is_reused(tmp_path, monkeypatch):
     pj.calibrate(loss, params, batch, rows=16)
 
 
+def test_the_optimizers_update_is_timed_per_byte_and_cached(tmp_path, monkeypatch):
+  loss, params, batch = _tiny()
+  cache = tmp_path / "times.json"
+  tx = optax.adamw(1e-3)
+  times = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=cache, optimizer=tx)
+  assert times.update_s_per_byte > 0
+  assert pj.calibrate(loss, params, batch, rows=2, repeats=1).update_s_per_byte == 0
+  cal = sys.modules["piper_jax.calibrate"]
+  monkeypatch.setattr(cal, "_seconds", lambda *a: pytest.fail("timed a cached update"))
+  again = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=cache, optimizer=tx)
+  assert again == times
+  # The planner costs the update by it: adam over 1 MB takes a millionth of that.
+  costs = pj.strategies.CostModel(region_times=times)
+  assert costs.update_seconds(1e6, 2.0) == pytest.approx(1e6 * times.update_s_per_byte)
+
+
 def test_regions_are_timed_on_the_batchs_own_token_ids(monkeypatch):
   # Token ids decide how an embedding's gradient scatters (all-zero ids serialize it on
   # one row): a batch with values is timed on its first rows, one given as shapes on
@@ -66,6 +82,22 @@ def test_regions_are_timed_on_the_batchs_own_token_ids(monkeypatch):
   pj.calibrate(loss, params, jax.eval_shape(lambda: batch), rows=2, repeats=1)
   ints = [x for args in seen for x in args if jnp.issubdtype(x.dtype, jnp.integer)]
   assert ints and all(len(set(np.asarray(x).ravel().tolist())) > 1 for x in ints)
+
+
+def test_regions_are_timed_on_what_the_regions_before_them_make(monkeypatch):
+  # A MoE block's combine gathers by the token slots its router chose, an input from the
+  # region before it: timed on zeros, its backward would scatter every row onto one.
+  from examples import qwen3
+  config = qwen3.get_config("qwen3-moe-tiny")
+  net = qwen3.make_model(config)
+  params = jax.eval_shape(lambda: qwen3.init_params(net, jax.random.PRNGKey(0)))
+  batch = qwen3.random_batch(config, jax.random.PRNGKey(1), 4)
+  cal = sys.modules["piper_jax.calibrate"]
+  seen = []
+  monkeypatch.setattr(cal, "_seconds", lambda fn, args, repeats: seen.append(args[2]) or 1e-3)
+  pj.calibrate(qwen3.loss_fn(net), params, batch, rows=2, repeats=1)
+  slots = [x for acts in seen for x in acts if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert slots and all(len(set(np.asarray(x).ravel().tolist())) > 1 for x in slots)
 
 
 def test_simulate_takes_per_region_costs():

@@ -207,6 +207,50 @@ def test_estimate_divides_state_by_zero_stage():
 
 
 @pytest.mark.timeout(60)
+def test_the_optimizers_update_is_costed_by_the_bytes_each_device_updates():
+  # Adam reads parameters, gradients and two moments and writes three (7 bytes per
+  # parameter byte) once a step: ZeRO-1 over 2 replicas halves it, and it adds to the
+  # step whatever else is hidden.
+  loss, params, batch = _gpt(2)
+  tx = optax.adamw(1e-3)
+  costs = pj.strategies.CostModel(memory_bytes_per_s=1e9)  # slow, so the update shows
+  p_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  est = {z: pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(2, zero=z),
+                                   2, costs=costs) for z in (0, 1)}
+  assert est[0].update_time == pytest.approx(7 * p_bytes / 1e9, rel=1e-4)  # + step counts
+  assert est[1].update_time == pytest.approx(est[0].update_time / 2, rel=1e-6)
+  assert est[0].step_time == pytest.approx(
+      max(est[0].compute_time, est[0].comm_time) + est[0].update_time)
+  assert est[0].step_time - est[1].step_time == pytest.approx(est[0].update_time / 2, rel=1e-6)
+  default = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(2), 2)
+  assert default.update_time == pytest.approx(7 * p_bytes / 3e12, rel=1e-4)
+  # Measured seconds per byte (pj.calibrate given the optimizer) replace the bandwidth.
+  times = pj.RegionTimes("cpu", 1, {}, {}, update_s_per_byte=2e-9)
+  assert pj.strategies.CostModel(region_times=times).update_seconds(100, 2.0) == \
+      pytest.approx(2e-7)
+
+
+@pytest.mark.timeout(90)
+def test_experts_divide_the_update_and_wait_for_their_exchanges():
+  # Without a pipeline the data-parallel reduction hides behind the backward, but a
+  # region waits for its tokens' all-to-all: split experts add that to the step, and
+  # divide the update of their weights over the group.
+  from examples import moe
+  loss, params, batch = _setup(moe.MoEGPT(moe.get_config("tiny", n_stages=2, n_layers=4,
+                                                        n_experts=8)))
+  tx = optax.adamw(1e-3)
+  costs = pj.strategies.CostModel(link_bytes_per_s=1e6, memory_bytes_per_s=1e9)
+  whole = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(4), 4,
+                                 costs=costs)
+  split = pj.strategies.estimate(loss, tx, params, batch,
+                                 pj.strategies.data_parallel(4) + [pj.shard({"EP": "*"}, [0, 1, 2, 3])],
+                                 4, costs=costs)
+  assert split.update_time < whole.update_time
+  # The slow links make the all-to-alls longer than the compute: the step counts them.
+  assert split.step_time > split.compute_time + split.update_time
+
+
+@pytest.mark.timeout(60)
 def test_a_pipeline_counts_its_gradients_whole_at_every_zero_stage():
   # A pipeline sums a stage's gradients whole over its microbatches and reduce-scatters
   # them once: ZeRO-2/3 hold what ZeRO-1 holds; without a pipeline ZeRO-2 halves them.
