@@ -77,10 +77,15 @@ def main(argv=None):
   net = run.make_net(model, config)
   params, batch = run.shapes(family, net, config, meta["batch"])
   tx = optax.adamw(1e-4, weight_decay=0.1)
-  if args.calibrate:  # real token ids: an embedding's gradient scatters by them
+  if args.calibrate:
+    # Timed with the attention the rows ran (cuDNN's keeps what XLA's recomputed keeps,
+    # at its own speed) and real token ids (an embedding's gradient scatters by them).
+    timed_config = run._config(model, args.regions, attention=rows[0].get("attention"),
+                               seq_len=meta.get("seq_len") or args.seq_len,
+                               layers=meta.get("layers") or args.layers)
     values = family.random_batch(config, jax.random.PRNGKey(0), meta["batch"])
-    times = pj.calibrate(family.loss_fn(net), params, values, meta["batch"] // n,
-                         cache=args.calibrate, optimizer=tx)
+    times = pj.calibrate(family.loss_fn(run.make_net(model, timed_config)), params, values,
+                         meta["batch"] // n, cache=args.calibrate, optimizer=tx)
     costs = dataclasses.replace(costs, region_times=times)
   found = pj.strategies.search(family.loss_fn(net), tx, params, batch, n, memory_bytes(kind),
                                costs=costs)

@@ -14,6 +14,7 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -83,7 +84,9 @@ class MemoryEstimate:
       (a pipeline keeps them for the whole step; ZeRO-1/2's distributed optimizer
       gathers them whole from the sharded fp32 parameters).
     working: what the largest backward recomputes, beyond what its forward kept, of
-      the residuals remat dropped.
+      the residuals remat dropped; in a pipeline, for the rank that computes the loss,
+      also the cotangent of the loss region's largest value (the logits: in fp32 and
+      again in the dtype they were made in), which its backward holds beside them.
     grads_with_activations: gradients live beside the activations (a pipeline or
       accumulation over microbatches); else a single backward frees activations as it
       makes gradients and the peak holds the larger of the two.
@@ -137,6 +140,7 @@ class MeasuredModel:
   opt_ratio: float                  # optimizer-state bytes per parameter byte
   copy_ratio: Mapping[int, float]   # leaf -> bytes of its cast copy per byte (leaves cast once a step)
   runner: RegionRunner = dataclasses.field(repr=False, compare=False)
+  loss_cotangent: int = 0           # bytes a loss region's backward holds for its largest value
   ep_regions: frozenset[int] = frozenset()  # regions annotated "EP" (experts)
   n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
   tp_size: int = 0                  # gcd of the dimensions named "tp" (0: none)
@@ -177,7 +181,28 @@ def measure_model(loss_fn, optimizer, params, example_batch) -> MeasuredModel:
   copy_ratio = {p: np.dtype(to).itemsize / np.dtype(spec.params[p].dtype).itemsize
                 for p, to in casts.items()}
   return MeasuredModel(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1), copy_ratio,
-                RegionRunner(traced), ep_regions, n_experts, tp_size, dict(casts))
+                       RegionRunner(traced), _loss_cotangent(traced), ep_regions, n_experts,
+                       tp_size, dict(casts))
+
+
+def _loss_cotangent(traced) -> int:
+  """Bytes of the cotangent the loss region's backward holds for its largest float value
+  (a language model's logits, [rows, tokens, vocab]): summed in fp32 (the softmax's
+  gather transposed into a scatter-add), and again in the narrower dtype the value was
+  made in, if any (XLA's dumps of pipelines on GPUs show both live at the peak)."""
+  best, itemsize = 0, 4
+  for r, spec in zip(traced.regions, traced.spec.regions):
+    if not spec.produces_loss:
+      continue
+    for eqn in r.eqns:
+      for v in eqn.outvars:
+        aval = getattr(v, "aval", None)
+        if aval is None or not jnp.issubdtype(aval.dtype, jnp.floating):
+          continue
+        n = math.prod(aval.shape)
+        if n > best or (n == best and aval.dtype.itemsize < itemsize):
+          best, itemsize = n, aval.dtype.itemsize
+  return best * (4 + (itemsize if itemsize < 4 else 0))
 
 
 # -- estimates ---------------------------------------------------------------------
@@ -258,6 +283,8 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     acts = acts_of[rank]
     # A backward under remat first recomputes what its forward dropped.
     working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
+    if pipelined and any(spec.regions[r].produces_loss for r in regions):
+      working += int(model.loss_cotangent * scale)
     mem = MemoryEstimate(params, grads, opt, acts, copies, working,
                          grads_with_activations=pipelined or m > 1,
                          sums_copy=grads if per_tick else 0)

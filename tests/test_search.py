@@ -230,6 +230,31 @@ def test_the_optimizers_update_is_costed_by_the_bytes_each_device_updates():
       pytest.approx(2e-7)
 
 
+@pytest.mark.timeout(60)
+def test_a_pipelines_loss_rank_holds_the_logits_cotangent_in_its_backward():
+  # The loss's backward sums the logits' cotangent in fp32 and casts it to the dtype the
+  # logits were made in: both live beside the recomputed residuals (XLA's dumps on GPUs).
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from piper_jax.costs import estimate_plan, measure_model
+  from piper_jax.ir.pipeline import make_plan
+  from piper_jax.lowering.options import LoweringOptions
+  tx = optax.adamw(1e-3)
+  for dtype, per_element in ((jnp.float32, 4), (jnp.bfloat16, 4 + 2)):
+    config = gpt.get_config("tiny", n_stages=2, dtype=dtype)
+    loss, params, batch = _setup(gpt.GPT(config))
+    model = measure_model(loss, tx, params, batch)
+    assert model.loss_cotangent == 16 * config.seq_len * config.vocab_size * per_element
+  plan = make_plan(model.spec, pj.strategies.pipeline(2, 4, "1f1b"), 2, global_batch=16)
+  costs = pj.strategies.CostModel()
+  with_it = estimate_plan(model, plan, costs, True, LoweringOptions()).memory
+  without = estimate_plan(dataclasses.replace(model, loss_cotangent=0), plan, costs, True,
+                          LoweringOptions()).memory
+  assert with_it.working - without.working == model.loss_cotangent // 4  # a microbatch's rows
+
+
 @pytest.mark.timeout(90)
 def test_experts_divide_the_update_and_wait_for_their_exchanges():
   # Without a pipeline the data-parallel reduction hides behind the backward, but a
