@@ -375,3 +375,27 @@ def test_tick_overhead_times_the_loops_parts(tmp_path):
                                                   "overlap+xla"]
   assert all(r["step_ms"] > 0 and r["per_iter_over_plain_ms"] is not None for r in data["rows"])
   assert data["devices"] == 2 and "out" not in data["args"]
+
+
+def test_peak_breakdown_sums_a_dumps_peak_by_computation_and_kind():
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import peak_breakdown
+  text = """header
+  Stack trace breakdown for peak usage: 700 bytes
+    main.1_spmd (100.0%, total: 700 bytes, current: 0 bytes, remaining: 700 bytes)
+      ├── jit(f)/loop/while (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
+      │   └── region_3.9_spmd.sunk.clone (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
+      │       ├── jit(f)/loop/while/body/cond (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
+      │       │   ├── region_7.5_spmd (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
+      │       │   │   ├── jit(f)/loop/while/body/cond/branch_1_fun/block_0/mlp/mul{0} (40.0%, total: 200 bytes, current: 200 bytes, remaining: 500 bytes)
+      │       │   │   ├── jit(f)/loop/while/body/cond/branch_1_fun/block_1/mlp/mul{1} (40.0%, total: 300 bytes, current: 300 bytes, remaining: 200 bytes)
+      │       │   │   └── jit(f)/loop/while/body/cond/branch_1_fun/add (10.0%, total: 100 bytes, current: 100 bytes, remaining: 100 bytes)
+      ├── state[0] (10.0%, total: 100 bytes, current: 100 bytes, remaining: 0 bytes)
+
+trailer
+"""
+  sums = peak_breakdown.breakdown(text)
+  assert sums["region_7"] == {"branch_1_fun/block_N/mlp/mul": 500, "branch_1_fun/add": 100}
+  assert sums["outside"] == {"state[0]": 100}
+  with pytest.raises(ValueError, match="live-range"):
+    peak_breakdown.breakdown("no breakdown here")
