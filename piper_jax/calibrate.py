@@ -137,23 +137,37 @@ def _seconds(fn: Callable, args: tuple, repeats: int) -> float:
 _UPDATE_ELEMENTS = 1 << 26
 
 
-def _update_seconds_per_byte(optimizer, dtype, elements: int, device, repeats: int,
-                             known: dict) -> float:
-  """Seconds per parameter byte of `optimizer`'s update and apply on `device`, timed on
-  one leaf of `elements` elements of `dtype` (the update is memory-bound: its time
-  grows with the bytes, whatever the leaves' shapes)."""
-  x = jax.device_put(jnp.full((elements,), 0.01, dtype), device)
-  state = jax.device_put(optimizer.init(x), device)
+def _update_seconds_per_byte(optimizer, params: Any, device, repeats: int, known: dict) -> float:
+  """Seconds per parameter byte of `optimizer`'s update and apply on `device` (0.0 when
+  it cannot be timed). The update is memory-bound, its time grows with the bytes whatever
+  the leaves' shapes: it is timed on one leaf of the largest parameter's dtype, as many
+  elements as the parameters (at most `_UPDATE_ELEMENTS`); an optimizer bound to the
+  parameters' tree (labels or masks given as a pytree) on zeros of that tree, if small."""
+  leaves = jax.tree_util.tree_leaves(params)
+  total = sum(math.prod(x.shape) for x in leaves)
+  dtype = max(leaves, key=lambda x: math.prod(x.shape)).dtype
+  trees = [lambda: jnp.full((min(total, _UPDATE_ELEMENTS),), 0.01, dtype)]
+  if total <= 4 * _UPDATE_ELEMENTS:
+    trees.append(lambda: jax.tree_util.tree_map(lambda x: jnp.full(x.shape, 0.01, x.dtype), params))
 
   def step(p, s, g):
     u, s = optimizer.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  name = hashlib.sha256(repr((device.device_kind, _METHOD, "update",
-                              str(jax.make_jaxpr(step)(x, state, x)))).encode()).hexdigest()
-  if name not in known:
-    known[name] = _seconds(jax.jit(step), (x, state, x), repeats) / (x.size * x.dtype.itemsize)
-  return known[name]
+  for make in trees:
+    try:
+      x = jax.device_put(make(), device)
+      state = jax.device_put(optimizer.init(x), device)
+      jaxpr = jax.make_jaxpr(step)(x, state, x)
+    except Exception:  # noqa: BLE001 - an optimizer that needs the parameters' own tree
+      continue
+    name = hashlib.sha256(repr((device.device_kind, _METHOD, "update", str(jaxpr))
+                               ).encode()).hexdigest()
+    if name not in known:
+      nbytes = sum(y.size * y.dtype.itemsize for y in jax.tree_util.tree_leaves(x))
+      known[name] = _seconds(jax.jit(step), (x, state, x), repeats) / nbytes
+    return known[name]
+  return 0.0
 
 
 def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
@@ -176,7 +190,8 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     cache: a JSON file of earlier measurements: regions found there (same device kind,
       rows, remat and program) are not timed again; new ones are added.
     optimizer: the optimizer `pj.compile` takes; when given, its update is timed too
-      (`RegionTimes.update_s_per_byte`, in the largest parameter leaf's dtype).
+      (`RegionTimes.update_s_per_byte`, in the largest parameter leaf's dtype; 0 when
+      it cannot run on one flat leaf nor on a small enough copy of the parameters).
 
   Returns:
     `RegionTimes`; `RegionTimes.costs(rows)` goes to `plan.simulate`, and
@@ -249,10 +264,7 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     known[name] = [forward[r], backward[r], inputs_only[r]]
   update = 0.0
   if optimizer is not None:
-    leaves = jax.tree_util.tree_leaves(params)
-    dtype = max(leaves, key=lambda x: math.prod(x.shape)).dtype
-    elements = min(_UPDATE_ELEMENTS, sum(math.prod(x.shape) for x in leaves))
-    update = _update_seconds_per_byte(optimizer, dtype, elements, device, repeats, known)
+    update = _update_seconds_per_byte(optimizer, params, device, repeats, known)
   if cache:
     with open(cache, "w") as fh:
       json.dump(known, fh, indent=1)

@@ -60,6 +60,12 @@ def test_the_optimizers_update_is_timed_per_byte_and_cached(tmp_path, monkeypatc
   # The planner costs the update by it: adam over 1 MB takes a millionth of that.
   costs = pj.strategies.CostModel(region_times=times)
   assert costs.update_seconds(1e6, 2.0) == pytest.approx(1e6 * times.update_s_per_byte)
+  # An optimizer bound to the parameters' tree is timed on that tree.
+  monkeypatch.undo()
+  labels = jax.tree_util.tree_map(lambda x: "decay" if x.ndim > 1 else "none", params)
+  tree_tx = optax.multi_transform({"decay": optax.adamw(1e-3), "none": optax.sgd(1e-3)}, labels)
+  assert pj.calibrate(loss, params, batch, rows=2, repeats=1, cache=cache,
+                      optimizer=tree_tx).update_s_per_byte > 0
 
 
 def test_regions_are_timed_on_the_batchs_own_token_ids(monkeypatch):
