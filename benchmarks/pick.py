@@ -84,8 +84,10 @@ def main(argv=None):
                                seq_len=meta.get("seq_len") or args.seq_len,
                                layers=meta.get("layers") or args.layers)
     values = family.random_batch(config, jax.random.PRNGKey(0), meta["batch"])
+    share = meta["batch"] // n  # a device's rows, down to the smallest microbatch tried
     times = pj.calibrate(family.loss_fn(run.make_net(model, timed_config)), params, values,
-                         meta["batch"] // n, cache=args.calibrate, optimizer=tx)
+                         sorted({share, max(1, share // 8)}), cache=args.calibrate,
+                         optimizer=tx)
     costs = dataclasses.replace(costs, region_times=times)
   found = pj.strategies.search(family.loss_fn(net), tx, params, batch, n, memory_bytes(kind),
                                costs=costs)

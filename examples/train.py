@@ -218,7 +218,10 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
             else device_memory_bytes(devices[0]))
   costs = None
   if args.calibrate:  # measured region times on this device instead of FLOP counts
-    rows = max(1, args.batch // len(devices))
+    # The candidates' microbatches hold batch / (replicas x microbatches) rows: from a
+    # device's share of the batch down to an eighth of it. Both ends are timed.
+    share = max(1, args.batch // len(devices))
+    rows = sorted({share, max(1, share // 8)})
     times = pj.calibrate(loss_fn, params, batch, rows, device=devices[0],
                          remat=bool(args.remat), cache=args.calibrate, optimizer=optimizer)
     costs = pj.strategies.CostModel(region_times=times)

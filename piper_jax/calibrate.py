@@ -20,7 +20,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,9 @@ class RegionTimes:
       zero-bubble schedules run it); its BW is the rest of B. Empty: half of B each.
     update_s_per_byte: seconds of the optimizer's update per byte of parameters it
       updates (0: not measured, no optimizer given).
+    other_rows: the same measured at other microbatch rows (`calibrate` given several):
+      `costs` interpolates between the two nearest, since a small microbatch's kernels
+      run below a large one's speed per row.
   """
 
   device_kind: str
@@ -55,12 +58,11 @@ class RegionTimes:
   backward: Mapping[int, float]
   backward_input: Mapping[int, float] = dataclasses.field(default_factory=dict)
   update_s_per_byte: float = 0.0
+  other_rows: tuple["RegionTimes", ...] = ()
 
-  def costs(self, rows: int, comm: float = 0.0) -> dict:
-    """`Plan.simulate` costs at `rows` rows per microbatch: {(region, pass): seconds},
-    scaled linearly from the measured rows, and "comm" (a message's latency)."""
-    scale = rows / self.rows
-    out: dict = {"comm": comm}
+  def _own_costs(self, scale: float) -> dict:
+    """This measurement's task seconds, times `scale`."""
+    out: dict = {}
     for r, t in self.forward.items():
       out[(r, "F")] = t * scale
     for r, t in self.backward.items():
@@ -68,6 +70,25 @@ class RegionTimes:
       if r in self.backward_input:
         bi = min(self.backward_input[r], t)
         out[(r, "BI")], out[(r, "BW")] = bi * scale, (t - bi) * scale
+    return out
+
+  def costs(self, rows: int, comm: float = 0.0) -> dict:
+    """`Plan.simulate` costs at `rows` rows per microbatch: {(region, pass): seconds},
+    and "comm" (a message's latency). Between two measured row counts each task's
+    seconds are interpolated linearly; beyond them, scaled in proportion to the rows
+    from the nearest."""
+    points = sorted((self, *self.other_rows), key=lambda t: t.rows)
+    below = [t for t in points if t.rows <= rows]
+    above = [t for t in points if t.rows >= rows]
+    if not below or not above or below[-1].rows == above[0].rows:
+      near = above[0] if not below else below[-1]
+      out = near._own_costs(rows / near.rows)
+    else:
+      lo, hi = below[-1], above[0]
+      w = (rows - lo.rows) / (hi.rows - lo.rows)
+      a, b = lo._own_costs(1.0), hi._own_costs(1.0)
+      out = {k: (1 - w) * a[k] + w * b.get(k, a[k]) for k in a}
+    out["comm"] = comm
     return out
 
 
@@ -170,7 +191,7 @@ def _update_seconds_per_byte(optimizer, params: Any, device, repeats: int, known
   return 0.0
 
 
-def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
+def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int | Sequence[int], *,
               device: Any = None, remat: bool = False, repeats: int = 5,
               cache: str | os.PathLike | None = None,
               optimizer: optax.GradientTransformation | None = None) -> RegionTimes:
@@ -183,7 +204,9 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
       leaves given as shapes get small random values. Parameters are random; each
       region's activation inputs are what the regions before it made of them.
     rows: rows of one microbatch per device (e.g. the global batch over data-parallel
-      replicas and microbatches).
+      replicas and microbatches), or several such counts: each is timed, and
+      `RegionTimes.costs` interpolates between them (what a search over microbatch
+      counts needs: small microbatches run below a large one's speed per row).
     device: where to time (default: the first device).
     remat: time F and B as `pj.compile(remat=...)` runs them (pipelines use True).
     repeats: timed calls per pass (the median counts).
@@ -197,18 +220,35 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     `RegionTimes`; `RegionTimes.costs(rows)` goes to `plan.simulate`, and
     `CostModel(region_times=...)` to `strategies.search`.
   """
-  if not isinstance(rows, int) or rows < 1:
-    raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+  counts = [rows] if isinstance(rows, int) and not isinstance(rows, bool) else list(rows)
+  if not counts or any(not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in counts):
+    raise ValueError(f"rows must be an int >= 1 or a non-empty list of them, got {rows!r}")
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats!r}")
   device = device or jax.devices()[0]
-  traced = trace_loss(loss_fn, params, _rows_of(example_batch, rows))
-  batch_rows = _batch_rows(example_batch, rows)
-  runner = RegionRunner(traced)
   known = {}
   if cache and os.path.exists(cache):
     with open(cache) as fh:
       known = json.load(fh)
+  timed = [_time_regions(loss_fn, params, example_batch, r, device, remat, repeats, known)
+           for r in sorted(set(counts))]
+  update = 0.0
+  if optimizer is not None:
+    update = _update_seconds_per_byte(optimizer, params, device, repeats, known)
+  if cache:
+    with open(cache, "w") as fh:
+      json.dump(known, fh, indent=1)
+  first = next(t for t in timed if t.rows == counts[0])
+  return dataclasses.replace(first, update_s_per_byte=update,
+                             other_rows=tuple(t for t in timed if t is not first))
+
+
+def _time_regions(loss_fn: Callable, params: Any, example_batch: Any, rows: int, device,
+                  remat: bool, repeats: int, known: dict) -> RegionTimes:
+  """`calibrate` at one row count (`known`: the cache's timings, updated)."""
+  traced = trace_loss(loss_fn, params, _rows_of(example_batch, rows))
+  batch_rows = _batch_rows(example_batch, rows)
+  runner = RegionRunner(traced)
   forward, backward, inputs_only = {}, {}, {}
   key = jax.random.PRNGKey(0)
   regions = traced.spec.regions
@@ -262,10 +302,4 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int, *,
     forward[r], backward[r] = f, max(fb - f, 0.1 * f)
     inputs_only[r] = min(max(fbi - f, 0.05 * f), backward[r])
     known[name] = [forward[r], backward[r], inputs_only[r]]
-  update = 0.0
-  if optimizer is not None:
-    update = _update_seconds_per_byte(optimizer, params, device, repeats, known)
-  if cache:
-    with open(cache, "w") as fh:
-      json.dump(known, fh, indent=1)
-  return RegionTimes(device.device_kind, rows, forward, backward, inputs_only, update)
+  return RegionTimes(device.device_kind, rows, forward, backward, inputs_only)

@@ -1,6 +1,7 @@
 """Measured region costs: every region's F and B timed on one device, cached, and used by
 the simulator and the planner in place of FLOP counts."""
 
+import dataclasses
 import sys
 
 import jax
@@ -66,6 +67,49 @@ def test_the_optimizers_update_is_timed_per_byte_and_cached(tmp_path, monkeypatc
   tree_tx = optax.multi_transform({"decay": optax.adamw(1e-3), "none": optax.sgd(1e-3)}, labels)
   assert pj.calibrate(loss, params, batch, rows=2, repeats=1, cache=cache,
                       optimizer=tree_tx).update_s_per_byte > 0
+
+
+def test_costs_interpolate_between_the_row_counts_measured():
+  at2 = pj.RegionTimes("cpu", 2, {0: 4.0}, {0: 8.0}, {0: 2.0})
+  at8 = pj.RegionTimes("cpu", 8, {0: 10.0}, {0: 20.0}, {0: 8.0})
+  both = dataclasses.replace(at8, other_rows=(at2,))
+  assert both.costs(8)[(0, "F")] == 10.0 and both.costs(2)[(0, "F")] == 4.0
+  mid = both.costs(4)  # a third of the way from 2 to 8 rows
+  assert mid[(0, "F")] == pytest.approx(6.0) and mid[(0, "B")] == pytest.approx(12.0)
+  assert mid[(0, "BI")] + mid[(0, "BW")] == pytest.approx(mid[(0, "B")])
+  # Beyond the measured rows: in proportion to the nearest measurement.
+  assert both.costs(16)[(0, "F")] == pytest.approx(20.0)
+  assert both.costs(1)[(0, "F")] == pytest.approx(2.0)
+
+
+def test_several_row_counts_are_timed_and_cached(tmp_path, monkeypatch):
+  loss, params, batch = _tiny()
+  cache = tmp_path / "times.json"
+  times = pj.calibrate(loss, params, batch, rows=[4, 1], repeats=1, cache=cache)
+  assert times.rows == 4 and [t.rows for t in times.other_rows] == [1]
+  one = times.other_rows[0]
+  assert times.costs(1)[(0, "F")] == pytest.approx(one.forward[0])
+  cal = sys.modules["piper_jax.calibrate"]
+  monkeypatch.setattr(cal, "_seconds", lambda *a: pytest.fail("timed a cached region"))
+  assert pj.calibrate(loss, params, batch, rows=[4, 1], repeats=1, cache=cache) == times
+  with pytest.raises(ValueError, match="non-empty list"):
+    pj.calibrate(loss, params, batch, rows=[])
+
+
+def test_search_sees_small_microbatches_run_slower_per_row():
+  # Made-up timings where 2 rows take as long as 8 (launch-bound kernels): scaled from
+  # 8 rows alone, 8 microbatches of the batch's 8 rows look best (less bubble); with both
+  # measured, 2 microbatches of 4 rows do.
+  loss, params, batch = _tiny()
+  n = len(trace_loss(loss, params, batch).spec.regions)
+  at8 = pj.RegionTimes("cpu", 8, {r: 1.0 for r in range(n)}, {r: 2.0 for r in range(n)})
+  both = dataclasses.replace(at8, other_rows=(dataclasses.replace(at8, rows=2),))
+  kw = dict(n_devices=2, memory_per_device=2**30, schedules=("1f1b",), microbatches=(2, 8))
+  tx = optax.sgd(0.1)
+  pick = lambda times: pj.strategies.search(
+      loss, tx, params, batch, costs=pj.strategies.CostModel(region_times=times),
+      **kw).best.n_microbatches
+  assert pick(at8) == 8 and pick(both) == 2
 
 
 def test_regions_are_timed_on_the_batchs_own_token_ids(monkeypatch):
