@@ -290,7 +290,15 @@ class _Eval:
         continue
       outer_old = next(d for d in gi if old[d] > 1)
       outer_new = next((d for d in gj if new[d] > 1), None)
-      if len(split) > 1 or split[0] != outer_old or outer_new is None or new[outer_new] % n:
+      if (len(split) == 1 and split[0] == outer_old and outer_new is not None
+          and new[outer_new] % n):
+        # E.g. a projection split over more devices than the model has heads.
+        raise self.error(eqn, f"reshapes {old} to {new}: the split dimension {split[0]} "
+                              f"becomes dimension {outer_new} of size {new[outer_new]}, which "
+                              f"does not divide over {n} devices",
+                         f"use a group of devices whose size divides {new[outer_new]} (e.g. "
+                         f"the number of attention heads)")
+      if len(split) > 1 or split[0] != outer_old or outer_new is None:
         raise self.error(eqn, f"reshapes {old} to {new} in a way that mixes the split dimension "
                               f"{split[0]} with others",
                          "keep it the outermost of the dimensions it is merged with or split into")

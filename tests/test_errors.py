@@ -310,3 +310,15 @@ def test_batch_of_another_dtype():
   if not jax.config.jax_enable_x64:
     step._batch_leaves({"x": np.asarray(batch["x"], np.float64),
                         "y": np.asarray(batch["y"], np.int64)})
+
+
+def test_a_split_projection_with_fewer_heads_than_devices():
+  # Three heads of 8 over 2 devices: the split projection's 24 columns become 3 heads,
+  # which do not divide; the message names the sizes and the group to pick.
+  loss = _tp_loss(lambda h: h.reshape(h.shape[0], 3, 8).sum(axis=-1))
+  params = {"w": nn.Partitioned(jnp.ones((D_IN, 24)), names=(None, "tp"))}
+  directives = [pj.replicate({}, [0, 1]), pj.shard_tensor({}, [0, 1])]
+  with pytest.raises(ValueError, match=r"reshapes \(32, 24\) to \(32, 3, 8\): the split "
+                     r"dimension 1 becomes dimension 1 of size 3, which does not divide over 2 "
+                     r"devices; use a group of devices whose size divides 3"):
+    pj.compile(loss, optimizer(), directives, params, {"x": jnp.ones((32, D_IN))})
