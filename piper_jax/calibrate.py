@@ -4,8 +4,9 @@ simulator and `strategies.search` (measured task costs instead of FLOP counts).
 A region's F is what a pipeline task runs (its traced vjp, keeping its residuals); its B
 takes F's residuals and the output cotangents to the parameter and input gradients, and
 its BI to the input cotangents alone (BW is the rest of B).
-Both are compiled alone with `jax.jit` at one microbatch's rows and timed; times scale
-linearly to other microbatch sizes (`RegionTimes.costs`). Given the optimizer, its
+Both are compiled alone with `jax.jit` at a microbatch's rows and timed, at one or
+several row counts; other microbatch sizes are interpolated between them, or scaled in
+proportion beyond them (`RegionTimes.costs`). Given the optimizer, its
 update is timed too, per parameter byte (memory-bound, what ZeRO and expert parallelism
 divide). A JSON file (`cache`) keeps them per device kind, rows and region program, so
 a machine measures a model once.
