@@ -132,10 +132,13 @@ class Program:
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self.grads = GradientSums(self.model, plan, layout, self.ad, self.reduce_dtype)
-    self._plan_values()
-    self.tick_loop = TickLoop(self) if lowers_as_loop(plan, options) else None
-    if self.tick_loop is not None:
-      self.buckets = {}  # the loop reduces gradients once, after its last tick
+    if lowers_as_loop(plan, options):
+      # The loop finds its values through its own table (`schedule_table`), not the
+      # per-tick positions, and reduces gradients once, after its last tick.
+      self.tick_loop, self.ticks, self.loc, self.buckets = TickLoop(self), [], {}, {}
+    else:
+      self.tick_loop = None
+      self._plan_values()
     self.window = (find_window(self, max_depth=options.max_carry_depth)
                    if options.roll and self.tick_loop is None else None)
     self._passes: dict[tuple, Any] = {}
