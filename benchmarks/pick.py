@@ -6,10 +6,11 @@ same call measured.
 From shapes on a CPU: the model of the files' rows (their meta's batch, sequence length
 and blocks) with `--regions` PP regions, searched over the rows' device count and the
 card's memory, with matmuls at the FLOP/s the call's plain-JAX baseline reached (or,
-with `--calibrate` on a GPU, each region timed there) and `--link-gbps` links. Prints the ranking, each candidate beside the measured row of the
-same strategy where the files have one (the same schedule, ZeRO stage and microbatches;
-run.py splits a model into its own stages, which may differ from the candidate's), and
-the pick's measured step against the fastest measured row.
+with `--calibrate` on a GPU, each region timed there) and `--link-gbps` links. Prints
+the ranking, each candidate beside the measured row of the same strategy where the
+files have one (the same schedule, ZeRO stage and microbatches; run.py splits a model
+into its own stages, which may differ from the candidate's), and the pick's measured
+step against the fastest measured row.
 """
 
 from __future__ import annotations

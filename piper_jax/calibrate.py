@@ -216,7 +216,7 @@ def calibrate(loss_fn: Callable, params: Any, example_batch: Any, rows: int | Se
       rows, remat and program) are not timed again; new ones are added.
     optimizer: the optimizer `pj.compile` takes; when given, its update is timed too
       (`RegionTimes.update_s_per_byte`, in the largest parameter leaf's dtype; 0 when
-      it cannot run on one flat leaf nor on a small enough copy of the parameters).
+      neither one flat leaf nor a small enough copy of the parameters takes it).
 
   Returns:
     `RegionTimes`; `RegionTimes.costs(rows)` goes to `plan.simulate`, and
@@ -258,7 +258,7 @@ def _time_regions(loss_fn: Callable, params: Any, example_batch: Any, rows: int,
   names = [hashlib.sha256(repr((device.device_kind, rows, remat, _METHOD, str(ad.jaxpr))
                                ).encode()).hexdigest() for ad in ads]
   # Each region is timed on what the regions before it made of random parameters and
-  # the batch's rows, run in trace order: values of the model's own range (the token
+  # the batch's rows, in trace order: values of the model's own range (the token
   # slots an expert dispatch gathers by; zeros would pile every scatter-add of their
   # backward onto one row). A value is dropped after its last reader.
   last_read = {(x.region, x.output): spec.index for spec in regions for x in spec.inputs}

@@ -50,9 +50,10 @@ class CostModel:
       and state byte a device updates and writes the parameters and state back, after
       its gradients are summed (what expert parallelism and ZeRO divide).
     region_times: measured seconds of each region's F and B (`pj.calibrate`), at
-      each candidate's microbatch rows (interpolated between the rows timed); when given, tasks cost these instead of
-      their FLOPs at `flops_per_s`, and the update its measured seconds per byte
-      (when `pj.calibrate` was given the optimizer) instead of `memory_bytes_per_s`.
+      each candidate's microbatch rows (interpolated between the rows timed); when
+      given, tasks cost these instead of their FLOPs at `flops_per_s`, and the update
+      its measured seconds per byte (when `pj.calibrate` was given the optimizer)
+      instead of `memory_bytes_per_s`.
   """
 
   flops_per_s: float = 400e12

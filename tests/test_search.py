@@ -267,9 +267,8 @@ def test_experts_divide_the_update_and_wait_for_their_exchanges():
   costs = pj.strategies.CostModel(link_bytes_per_s=1e6, memory_bytes_per_s=1e9)
   whole = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(4), 4,
                                  costs=costs)
-  split = pj.strategies.estimate(loss, tx, params, batch,
-                                 pj.strategies.data_parallel(4) + [pj.shard({"EP": "*"}, [0, 1, 2, 3])],
-                                 4, costs=costs)
+  directives = pj.strategies.data_parallel(4) + [pj.shard({"EP": "*"}, [0, 1, 2, 3])]
+  split = pj.strategies.estimate(loss, tx, params, batch, directives, 4, costs=costs)
   assert split.update_time < whole.update_time
   # The slow links make the all-to-alls longer than the compute: the step counts them.
   assert split.step_time > split.compute_time + split.update_time
