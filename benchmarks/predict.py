@@ -33,8 +33,8 @@ import run  # noqa: E402
 
 def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_len: int = 0,
                    layers: int = 0):
-  """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached, that
-  baseline's row): jit DP, else GSPMD FSDP where DP does not fit, else shard_map DP (the
+  """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached (the
+  FLOPs of its jaxpr over its step), that baseline's row): jit DP, else GSPMD FSDP where DP does not fit, else shard_map DP (the
   MoE's); (the default FLOP/s, None) for a call without one that ran (compile_only.py's
   rows have no FLOP/s). The baseline's step also ran AdamW's update over the parameters
   each device holds (all of them; GSPMD FSDP's 1/n), at the card's memory bandwidth, and
@@ -44,8 +44,10 @@ def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_le
   import jax
   import math
 
+  import optax
+
   import piper_jax as pj
-  from hardware import memory_bytes_per_s, peak_flops
+  from hardware import memory_bytes_per_s
   base = next((r for name in ("jit-dp", "gspmd-fsdp", "shmap-dp") for r in rows
                if r["variant"] == name and "error" not in r and r.get("mfu")), None)
   if base is None:
@@ -53,19 +55,25 @@ def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_le
   costs = pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s,
                                   memory_bytes_per_s=memory_bytes_per_s(base["device_kind"]))
   config, net, _ = run.build(base["variant"], base["model"], base["devices"],
-                             meta["microbatches"], meta.get("pp", 2),
+                             meta["microbatches"], meta.get("pp", 2), attention="xla+remat",
                              seq_len=meta.get("seq_len") or seq_len,
                              layers=meta.get("layers") or layers)
-  params, _ = run.shapes(run.step_family(base["model"]), net, config, meta["batch"])
+  family = run.step_family(base["model"])
+  params, batch = run.shapes(family, net, config, meta["batch"])
   p_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
-  held = p_bytes / (base["devices"] if base["variant"] == "gspmd-fsdp" else 1)
+  n = base["devices"]
+  held = p_bytes / (n if base["variant"] == "gspmd-fsdp" else 1)
   step = base["step_ms"] / 1e3
   other = costs.update_seconds(held, 2.0)  # AdamW: two moments per parameter
   if base["variant"] == "shmap-dp":
-    n = base["devices"]
     other += 2 * (n - 1) / n * p_bytes / link_bytes_per_s
-  achieved = base["mfu"] * peak_flops(base["device_kind"])
-  return dataclasses.replace(costs, flops_per_s=achieved * step / (step - other)), base
+  # FLOPs as the estimates count them: the jaxpr's matmuls (a MoE's capacity padding
+  # included, which the MFU's 6 N_active per token leaves out), a backward twice a
+  # forward, the batch split over the devices.
+  from piper_jax.costs import measure_model
+  traced = measure_model(family.loss_fn(net), optax.adamw(1e-4), params, batch)
+  flops = 3 * sum(r.flops for r in traced.spec.regions) / n
+  return dataclasses.replace(costs, flops_per_s=flops / (step - other)), base
 
 
 def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0,
