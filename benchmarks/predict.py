@@ -34,17 +34,15 @@ import run  # noqa: E402
 def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_len: int = 0,
                    layers: int = 0):
   """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached (the
-  FLOPs of its jaxpr over its step), that baseline's row): jit DP, else GSPMD FSDP where DP does not fit, else shard_map DP (the
-  MoE's); (the default FLOP/s, None) for a call without one that ran (compile_only.py's
-  rows have no FLOP/s). The baseline's step also ran AdamW's update over the parameters
+  FLOPs of its jaxpr over its step), that baseline's row): jit DP, else GSPMD FSDP where
+  DP does not fit, else shard_map DP (the MoE's); (the default FLOP/s, None) for a call
+  without one that ran (compile_only.py's rows have no FLOP/s). The baseline's step also ran AdamW's update over the parameters
   each device holds (all of them; GSPMD FSDP's 1/n), at the card's memory bandwidth, and
   shard_map DP its `pmean` of the gradients after the backward, which nothing overlaps
   (an all-reduce at `link_bytes_per_s`): its FLOP/s are of the rest of the step, as the
   estimates add those apart."""
   import jax
   import math
-
-  import optax
 
   import piper_jax as pj
   from hardware import memory_bytes_per_s
@@ -70,9 +68,9 @@ def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_le
   # FLOPs as the estimates count them: the jaxpr's matmuls (a MoE's capacity padding
   # included, which the MFU's 6 N_active per token leaves out), a backward twice a
   # forward, the batch split over the devices.
-  from piper_jax.costs import measure_model
-  traced = measure_model(family.loss_fn(net), optax.adamw(1e-4), params, batch)
-  flops = 3 * sum(r.flops for r in traced.spec.regions) / n
+  from piper_jax.lowering.trace import trace_loss
+  spec = trace_loss(family.loss_fn(net), params, batch).spec
+  flops = 3 * sum(r.flops for r in spec.regions) / n
   return dataclasses.replace(costs, flops_per_s=flops / (step - other)), base
 
 

@@ -11,8 +11,9 @@ ZeRO 2/3), or laid out and reduce-scattered per tick (ZeRO 2/3 without a pipelin
 ZeRO-3 without a pipeline all-gathers the slots a tick reads one tick ahead, before the
 previous tick's switch, and keeps the slots that consecutive ticks read (a pipeline's
 gathers them as the step starts: `ParamLayout.gathers_at_start`). Expert-parallel
-regions exchange their tokens by all-to-all over "ep" before and after each pass; split weights' pieces (shard, shard_tensor) get their
-gradients reduced only over their copies (`lowering/gradients.py`).
+regions exchange their tokens by all-to-all over "ep" before and after each pass; split
+weights' pieces (shard, shard_tensor) get their gradients reduced only over their copies
+(`lowering/gradients.py`).
 """
 
 from __future__ import annotations
