@@ -1,4 +1,11 @@
-"""`check`: runs a compiled strategy next to the plain computation and compares the numbers."""
+"""`check`: runs a compiled strategy next to the plain computation and compares the numbers.
+
+In float32 the strategy must give plain JAX's numbers to tight tolerances. In reduced
+precision (bfloat16 compute, or float32 matrix products at an accelerator's TF32 default)
+two correct computations differ by their rounding, so both the strategy and plain JAX are
+judged against a float32 run of the same model at the highest matrix precision: a leaf
+passes when the strategy's error is within a small factor of plain JAX's own.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +20,17 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["CheckReport", "check", "FP32_RTOL", "FP32_LOSS_RTOL", "LOW_PRECISION_RTOL"]
+from piper_jax.precision import precision_of, widen
+
+__all__ = ["CheckReport", "check", "FP32_RTOL", "FP32_LOSS_RTOL", "LOW_PRECISION_FACTOR",
+           "ROUNDOFF"]
 
 FP32_RTOL = 1e-4
 FP32_LOSS_RTOL = 1e-5
-LOW_PRECISION_RTOL = 2e-2
+# A reduced-precision leaf passes when its error from the float32 run is at most this many
+# times plain JAX's, plus the format's unit roundoff.
+LOW_PRECISION_FACTOR = 2.0
+ROUNDOFF = {"bf16": 2.0 ** -8, "tf32": 2.0 ** -11}
 _N_WORST = 5
 _N_FAILURES_SHOWN = 10
 # A leaf counts as frozen when the strategy moved it less than this fraction of what
@@ -27,13 +40,16 @@ _FROZEN_FRACTION = 1e-2
 # the gradient's direction: where the gradient is at the level of rounding (an attention
 # key bias, which softmax ignores), that direction is noise. Parameter comparisons leave
 # out elements whose reference gradient is within this many times the leaf's RMS
-# gradient difference (from the SGD check) of zero.
+# gradient error of zero.
 _NOISE_MULTIPLE = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckReport:
   """What `check` found.
+
+  The reference is plain JAX in float32, and the float32 run of the same model in reduced
+  precision (where `plain_*` hold plain JAX's own distance from it).
 
   Attributes:
     losses: the strategy's loss at each step.
@@ -45,9 +61,9 @@ class CheckReport:
       divided by is at least that of a leaf as large whose elements have the model's
       RMS size: a leaf that starts at zero (a bias) is no larger than its updates.
     left_out: per leaf, the fraction of its elements left out of `leaves`: those whose
-      reference gradient is within 4x the leaf's RMS gradient difference of zero, which
-      Adam steps in a direction set by rounding (all zero without the SGD check).
-    worst: the 5 leaves of `leaves` with the largest difference, worst first (frozen
+      reference gradient is within 4x the leaf's RMS gradient error of zero, which Adam
+      steps in a direction set by rounding (all zero without the SGD check).
+    worst: the 5 leaves of `leaves` nearest to failing or past it, worst first (frozen
       leaves before all).
     frozen: leaves the reference moved and the strategy did not (1% of its move or less).
     grad_leaves: per leaf, the relative difference of the gradient read off one SGD
@@ -55,15 +71,25 @@ class CheckReport:
       of a leaf as large with the model's RMS gradient: a gradient that cancels to
       rounding level is noise); None without the SGD check.
     worst_grads: the worst leaves of `grad_leaves`, worst first (empty without it).
-    rtol: the tolerance on parameters and gradients.
-    loss_rtol: the tolerance on losses.
+    rtol: the tolerance on parameters and gradients: alone in float32, added to
+      `factor` times plain JAX's error in reduced precision.
+    loss_rtol: the tolerance on losses, likewise.
     precision: "fp32"; "bf16" when a parameter or a value the loss computes is narrower
       than float32 (bfloat16, float16); "tf32" when float32 matrix products run at the
       accelerator's default precision (TF32 on NVIDIA GPUs, bfloat16 passes on TPUs).
-      The last two take the low-precision tolerances.
-    reference: "one_device" or "jit".
+    reference: where plain JAX ran: "one_device" or "jit".
     failures: one line per failed comparison; empty when the check passed.
     passed: True when every comparison is within tolerance and no leaf is frozen.
+    factor: in reduced precision, how many times plain JAX's error the strategy's may
+      be; None in float32.
+    plain_losses: in reduced precision, plain JAX's losses (`reference_losses` are the
+      float32 run's); else None.
+    plain_loss_rel_diff: plain JAX's `loss_rel_diff`; None in float32.
+    plain_leaves: plain JAX's `leaves`; None in float32.
+    plain_grad_leaves: plain JAX's `grad_leaves`; None in float32 or without the SGD
+      check.
+    slices: how many equal slices of the batch the references accumulated gradients
+      over (1: the whole batch at once), to fit the device.
   """
 
   losses: tuple[float, ...]
@@ -81,25 +107,46 @@ class CheckReport:
   reference: str
   failures: tuple[str, ...]
   passed: bool
+  factor: float | None = None
+  plain_losses: tuple[float, ...] | None = None
+  plain_loss_rel_diff: float | None = None
+  plain_leaves: dict[str, float] | None = None
+  plain_grad_leaves: dict[str, float] | None = None
+  slices: int = 1
 
   def __str__(self) -> str:
     where = {"one_device": "one device", "jit": "jax.jit over the same devices"}[self.reference]
-    lines = [f"check {'PASSED' if self.passed else 'FAILED'}: strategy vs {where}, "
-             f"{self.precision} tolerances (parameters and gradients {self.rtol:.0e}, "
-             f"losses {self.loss_rtol:.0e})",
-             f"{'step':>6}  {'loss':>14}  {'reference':>14}  {'rel diff':>9}"]
-    for i, (a, b) in enumerate(zip(self.losses, self.reference_losses)):
-      lines.append(f"{i + 1:>6}  {a:>14.7g}  {b:>14.7g}  {_rel(a, b):>9.2e}")
+    verdict = f"check {'PASSED' if self.passed else 'FAILED'}"
+    if self.factor is None:
+      lines = [f"{verdict}: strategy vs plain JAX on {where}, fp32 tolerances (parameters "
+               f"and gradients {self.rtol:.0e}, losses {self.loss_rtol:.0e})",
+               f"{'step':>6}  {'loss':>14}  {'reference':>14}  {'rel diff':>9}"]
+      for i, (a, b) in enumerate(zip(self.losses, self.reference_losses)):
+        lines.append(f"{i + 1:>6}  {a:>14.7g}  {b:>14.7g}  {_rel(a, b):>9.2e}")
+    else:
+      lines = [f"{verdict}: strategy and plain JAX ({self.precision}, on {where}) against "
+               f"a float32 run at the highest matrix precision; each passes within "
+               f"{self.factor:g}x plain JAX's error + {self.rtol:.1e}",
+               f"{'step':>6}  {'loss':>14}  {'plain JAX':>14}  {'float32':>14}  "
+               f"{'error':>9}  {'plain err':>9}"]
+      for i, (a, p, b) in enumerate(zip(self.losses, self.plain_losses, self.reference_losses)):
+        lines.append(f"{i + 1:>6}  {a:>14.7g}  {p:>14.7g}  {b:>14.7g}  {_rel(a, b):>9.2e}  "
+                     f"{_rel(p, b):>9.2e}")
+    if self.slices > 1:
+      lines.append(f"(the references accumulated gradients over {self.slices} slices of "
+                   f"the batch to fit the device)")
     width = max([len(n) for n, _ in self.worst + self.worst_grads] + [4])
     lines.append(f"worst parameters after {len(self.losses)} step(s) "
                  f"(||strategy - reference|| / ||reference||):")
     mark = lambda n: ("  FROZEN" if n in self.frozen else
                       f"  ({self.left_out[n]:.1%} of elements at gradient noise left out)"
                       if self.left_out.get(n) else "")
-    lines += [f"  {n:<{width}}  {d:.2e}{mark(n)}" for n, d in self.worst]
+    lines += [f"  {n:<{width}}  {d:.2e}{self._against(self.plain_leaves, n, d)}{mark(n)}"
+              for n, d in self.worst]
     if self.grad_leaves is not None:
       lines.append("worst gradients (one SGD step):")
-      lines += [f"  {n:<{width}}  {d:.2e}" for n, d in self.worst_grads]
+      lines += [f"  {n:<{width}}  {d:.2e}{self._against(self.plain_grad_leaves, n, d)}"
+                for n, d in self.worst_grads]
     if self.failures:
       lines.append("failures:")
       lines += [f"  {f}" for f in self.failures[:_N_FAILURES_SHOWN]]
@@ -107,31 +154,43 @@ class CheckReport:
         lines.append(f"  ... and {len(self.failures) - _N_FAILURES_SHOWN} more (.failures)")
     return "\n".join(lines)
 
+  @staticmethod
+  def _against(plain: dict[str, float] | None, name: str, d: float) -> str:
+    if plain is None:
+      return ""
+    return f"  plain JAX {plain[name]:.2e}  ({_ratio(d, plain[name])})"
+
 
 def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto",
           rtol: float | None = None, sgd: bool = True, loss_fn: Callable | None = None,
-          compile_kwargs: dict | None = None) -> CheckReport:
+          optimizer: optax.GradientTransformation | None = None,
+          fp32_loss_fn: Callable | None = None, factor: float = LOW_PRECISION_FACTOR,
+          slices: int | None = None) -> CheckReport:
   """Runs a compiled step and the plain computation from the same parameters and compares.
 
-  The reference is `jax.value_and_grad(loss_fn)` + `optimizer.update` +
-  `optax.apply_updates` under `jax.jit`, either on one device or over the step's devices
-  with each parameter sharded along its first dimension that divides (plain `jax.jit`
-  partitions it; for models that do not fit one device). With `sgd`, a second step is
-  compiled under the same directives with `optax.sgd` and its one update is compared with
-  the reference's gradient: Adam and global-norm clipping hide a gradient off by a
-  constant factor, which plain SGD shows.
+  Plain JAX is `jax.value_and_grad(loss_fn)` + `optimizer.update` + `optax.apply_updates`
+  under `jax.jit`, either on one device or over the step's devices with each parameter
+  sharded along its first dimension that divides (plain `jax.jit` partitions it; for
+  models that do not fit one device). With `sgd`, the strategy is compiled a second time
+  with `optax.sgd` (`step.with_optimizer`) and its one update is compared with the
+  reference's gradient: Adam and global-norm clipping hide a gradient off by a constant
+  factor, which plain SGD shows.
 
-  A leaf passes when ||strategy - reference|| <= rtol * ||reference||, where the norm
+  In float32 a leaf passes when ||strategy - plain|| <= rtol * ||plain||, where the norm
   divided by is at least that of a leaf as large with the model's RMS element: a bias
-  that starts at zero is only as large as its updates, which are noisy. Parameters are
-  compared over the elements whose gradient (from the SGD check) is clear of rounding
-  noise, since Adam makes a full step in a direction set by the noise elsewhere (an
-  attention key bias, which softmax ignores). A leaf the reference moved and the
-  strategy did not fails at any tolerance. Runs in one process: results are compared on
-  the host.
+  that starts at zero is only as large as its updates, which are noisy. In reduced
+  precision both the strategy and plain JAX are compared with a float32 run of the same
+  model (`fp32_loss_fn`, at the highest matrix precision) and a leaf passes when the
+  strategy's error is at most `factor` times plain JAX's plus `rtol`. Parameters are
+  compared over the elements whose gradient is clear of rounding noise, since Adam makes
+  a full step in a direction set by the noise elsewhere (an attention key bias, which
+  softmax ignores). A leaf the reference moved and the strategy did not fails at any
+  tolerance. Runs in one process: results are compared on the host.
 
   Args:
-    step: a `TrainStep` (from `pj.compile`).
+    step: a `TrainStep` (from `pj.compile`), or anything with its `init`, `__call__`,
+      `params`, `with_optimizer` (for the SGD check), `devices` and, unless given below,
+      `loss_fn` and `optimizer`: the step judged.
     params: the parameters to start both runs from (not modified).
     batch: one batch, used at every step, or a list or iterator of batches (the first
       `steps` are used).
@@ -139,14 +198,20 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
     reference: "one_device", "jit", or "auto": one device when the parameters, their
       gradients and the optimizer state take at most half of its memory (or its memory
       is unknown), else "jit".
-    rtol: the tolerance on parameters, gradients and losses. None takes 1e-4 on
-      parameters and gradients and 1e-5 on losses when parameters and computation are
-      float32, and 2e-2 on all when any of them is narrower (bfloat16, or float32
-      matrix products at an accelerator's default precision, TF32 on NVIDIA GPUs).
+    rtol: float32: the tolerance on parameters and gradients (default 1e-4; losses 1e-5).
+      Reduced precision: the floor added to `factor` times plain JAX's error (default the
+      format's unit roundoff, 2**-8 for bfloat16, 2**-11 for TF32).
     sgd: also compare one SGD step's gradients (compiles the strategy a second time).
-    loss_fn: the loss the step was compiled from; default `step.loss_fn`.
-    compile_kwargs: more keyword arguments for the SGD step's `pj.compile` (`options`:
-      `TrainStep.check` passes the step's own, so that the same program runs).
+    loss_fn: the plain computation's loss; default `step.loss_fn`.
+    optimizer: the plain computation's optimizer; default `step.optimizer`.
+    fp32_loss_fn: the same loss computed in float32 (the model built with
+      dtype=float32), the truth a reduced-precision step is judged against; default
+      `loss_fn` with every narrow value widened (`piper_jax.precision.widen`).
+    factor: how many times plain JAX's reduced-precision error the strategy's may be.
+    slices: the references accumulate gradients over this many equal slices of the
+      batch (a plain `lax.scan`); None: as few as XLA's count of the compiled
+      reference says fit the device's free memory (1 where memory is unknown, as on the
+      CPU).
 
   Returns:
     A `CheckReport`; `print` it for a table, test `.passed`.
@@ -160,20 +225,23 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
   loss_fn = loss_fn if loss_fn is not None else getattr(step, "loss_fn", None)
   if loss_fn is None:
     raise ValueError("the step does not keep its loss function; pass loss_fn=")
-  tx = step.optimizer
+  tx = optimizer if optimizer is not None else step.optimizer
   batches = _batches(step, batch, steps)
   devices = list(step.mesh.devices.flat) if hasattr(step, "mesh") else list(step.devices)
   if reference == "auto":
     reference = "one_device" if _fits_one_device(params, tx, jax.local_devices()[0]) else "jit"
-  precision = _precision(loss_fn, params, batches[0], devices[0].platform)
+  precision = precision_of(loss_fn, params, batches[0], devices[0].platform)
   low = precision != "fp32"
-  p_rtol = rtol if rtol is not None else (LOW_PRECISION_RTOL if low else FP32_RTOL)
-  l_rtol = rtol if rtol is not None else (LOW_PRECISION_RTOL if low else FP32_LOSS_RTOL)
+  if low:
+    p_rtol = l_rtol = rtol if rtol is not None else ROUNDOFF[precision]
+  else:
+    p_rtol = rtol if rtol is not None else FP32_RTOL
+    l_rtol = rtol if rtol is not None else FP32_LOSS_RTOL
 
   keys = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   start = _host(params)
 
-  # The strategy first, its results moved to the host, so that the reference does not
+  # The strategy first, its results moved to the host, so that the references do not
   # share device memory with its state.
   state = step.init(params)
   losses = []
@@ -183,44 +251,90 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
   got = _host(step.params(state))
   del state
 
-  place_params, place_batch, place_state = _placement(reference, devices)
-  ref_losses, ref_params = _reference_run(loss_fn, tx, params, batches, place_params,
-                                          place_batch, place_state)
-  ref = _host(ref_params)
-  del ref_params
+  placement = _placement(reference, devices)
+  plain = _Reference(loss_fn, tx, placement, highest=False)
+  truth = plain
+  if low:
+    wide = fp32_loss_fn if fp32_loss_fn is not None else widen(loss_fn)
+    to32 = lambda t: jax.tree_util.tree_map(
+        lambda x: x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+    truth = _Reference(wide, tx, placement, highest=True, cast=to32)
+  n = slices or truth.slices_that_fit(params, batches[0])
+  plain_losses, plain_params, plain_grads = plain.train(params, batches, n)
+  ref_losses, ref_params, ref_grads = (truth.train(params, batches, n) if low else
+                                       (plain_losses, plain_params, plain_grads))
+
+  grad_leaves = plain_grad_leaves = None
+  keep = [None] * len(keys)
+  if sgd:
+    implied = _sgd_gradient(step, params, batches[0], start, plain_grads)
+    grad_leaves = dict(zip(keys, _rel_leaves(implied, ref_grads)))
+    # Noise is what rounding does to the gradient: plain JAX's in reduced precision
+    # (whatever the strategy does), the strategy's own distance in float32.
+    noisy = plain_grads if low else implied
+    keep = [np.abs(np.asarray(g, np.float64)) > _NOISE_MULTIPLE * _rms([a - g])
+            if _rms([a - g]) > 0 else None for a, g in zip(noisy, ref_grads)]
+    if low:
+      plain_grad_leaves = dict(zip(keys, _rel_leaves(plain_grads, ref_grads)))
 
   failures = []
   rel_losses = [_rel(a, b) for a, b in zip(losses, ref_losses)]
+  plain_rel = [_rel(a, b) for a, b in zip(plain_losses, ref_losses)] if low else None
   for i, d in enumerate(rel_losses):
-    if not d <= l_rtol:  # NaN fails too
-      failures.append(f"loss at step {i + 1}: {losses[i]:.7g} vs {ref_losses[i]:.7g} "
-                      f"(relative difference {d:.2e} > {l_rtol:.0e})")
+    limit = l_rtol + (factor * plain_rel[i] if low else 0.0)
+    if not d <= limit:  # NaN fails too
+      failures.append(f"loss at step {i + 1}: {losses[i]:.7g} vs {ref_losses[i]:.7g}: "
+                      + _verdict(d, plain_rel[i] if low else None, factor, l_rtol))
 
-  grad_leaves, keep = None, [None] * len(keys)
-  if sgd:
-    grad_leaves, keep = _sgd_check(step, loss_fn, params, batches[0], start, place_params,
-                                   place_batch, compile_kwargs or {})
-    grad_leaves = dict(zip(keys, grad_leaves))
-  leaves, left_out, frozen = _compare_params(keys, start, got, ref, keep, p_rtol, failures)
+  leaves, left_out, frozen = _compare_params(keys, start, got, ref_params, keep, failures)
+  plain_leaves = None
+  if low:
+    plain_leaves = _compare_params(keys, start, plain_params, ref_params, keep, [])[0]
+  for k, d in leaves.items():
+    if k not in frozen and not d <= p_rtol + (factor * plain_leaves[k] if low else 0.0):
+      failures.append(f"parameter {k}: "
+                      + _verdict(d, plain_leaves[k] if low else None, factor, p_rtol))
   if grad_leaves is not None:
-    failures += [f"gradient of {k}: relative difference {d:.2e} > {p_rtol:.0e}"
-                 for k, d in grad_leaves.items() if not d <= p_rtol]
+    for k, d in grad_leaves.items():
+      plain_d = plain_grad_leaves[k] if low else None
+      if not d <= p_rtol + (factor * plain_d if low else 0.0):
+        failures.append(f"gradient of {k}: " + _verdict(d, plain_d, factor, p_rtol))
 
+  score = lambda table, plain_table: {
+      k: d if plain_table is None else d / (p_rtol + factor * plain_table[k])
+      for k, d in table.items()}
   return CheckReport(
       losses=tuple(losses), reference_losses=tuple(ref_losses),
       loss_rel_diff=max(rel_losses, key=_nan_first), leaves=leaves, left_out=left_out,
-      worst=_worst(leaves, first=frozen), frozen=frozen,
-      grad_leaves=grad_leaves, worst_grads=_worst(grad_leaves) if grad_leaves else (),
+      worst=_worst(leaves, score(leaves, plain_leaves), first=frozen), frozen=frozen,
+      grad_leaves=grad_leaves,
+      worst_grads=_worst(grad_leaves, score(grad_leaves, plain_grad_leaves))
+      if grad_leaves else (),
       rtol=p_rtol, loss_rtol=l_rtol, precision=precision, reference=reference,
-      failures=tuple(failures), passed=not failures)
+      failures=tuple(failures), passed=not failures, factor=factor if low else None,
+      plain_losses=tuple(plain_losses) if low else None,
+      plain_loss_rel_diff=max(plain_rel, key=_nan_first) if low else None,
+      plain_leaves=plain_leaves, plain_grad_leaves=plain_grad_leaves, slices=n)
 
 
-def _compare_params(keys, start, got, ref, keep, rtol, failures):
+def _verdict(d: float, plain: float | None, factor: float, floor: float) -> str:
+  """Why a comparison failed, in words."""
+  if plain is None:
+    return f"relative difference {d:.2e} > {floor:.0e}"
+  return (f"{d:.2e} from the float32 run, plain JAX {plain:.2e} ({_ratio(d, plain)}) > "
+          f"{factor:g}x plain JAX's + {floor:.1e}")
+
+
+def _ratio(d: float, plain: float) -> str:
+  return f"{d / plain:.2f}x" if plain > 0 else "plain JAX exact"
+
+
+def _compare_params(keys, start, got, ref, keep, failures):
   """Per leaf: the relative difference over the kept elements, the fraction left out;
   and the frozen leaves.
 
   `keep[i]` is a boolean mask of leaf i's elements to compare, or None for all of them.
-  Appends a line to `failures` for each leaf that fails.
+  Appends a line to `failures` for each frozen leaf.
   """
   rms = _rms(start)
   leaves, left_out, frozen = {}, {}, []
@@ -229,13 +343,11 @@ def _compare_params(keys, start, got, ref, keep, rtol, failures):
     moved, moved_ref = _norm(a - p0), _norm(b - p0)
     diff = _norm(a - b if mask is None else (a - b)[mask])
     left_out[k] = 1.0 - float(np.mean(mask)) if mask is not None and mask.size else 0.0
-    leaves[k] = d = diff / max(_norm(b), rms * math.sqrt(b.size), _TINY)
+    leaves[k] = diff / max(_norm(b), rms * math.sqrt(b.size), _TINY)
     if moved_ref > 0 and moved <= _FROZEN_FRACTION * moved_ref:
       frozen.append(k)
       failures.append(f"parameter {k} is frozen: the reference moved it by {moved_ref:.2e}, "
                       f"the strategy by {moved:.2e}")
-    elif not d <= rtol:
-      failures.append(f"parameter {k}: relative difference {d:.2e} > {rtol:.0e}")
   return leaves, left_out, tuple(frozen)
 
 
@@ -265,45 +377,6 @@ def _batches(step, batch, steps: int) -> list:
   return out
 
 
-def _precision(loss_fn, params, batch, platform: str) -> str:
-  """"bf16" when a floating parameter or a value the loss computes is narrower than
-  float32; "tf32" when a float32 matrix product runs at an accelerator's default
-  precision; else "fp32"."""
-  narrow = lambda dt: jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize < 4
-  if any(narrow(jnp.result_type(x)) for x in jax.tree_util.tree_leaves(params)):
-    return "bf16"
-  shapes = lambda t: jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), t)
-  eqns = list(_all_eqns(jax.make_jaxpr(loss_fn)(shapes(params), shapes(batch)).jaxpr))
-  if any(narrow(v.aval.dtype) for e in eqns for v in e.outvars if hasattr(v.aval, "dtype")):
-    return "bf16"
-  if platform != "cpu" and any(e.primitive.name in ("dot_general", "conv_general_dilated")
-                               and _reduced(e.params.get("precision")) for e in eqns):
-    return "tf32"
-  return "fp32"
-
-
-def _reduced(precision) -> bool:
-  """Whether a matrix product's precision lets an accelerator round float32 inputs."""
-  if precision is None:
-    return True
-  if isinstance(precision, (tuple, list)):
-    return any(p == jax.lax.Precision.DEFAULT for p in precision)
-  name = getattr(precision, "name", str(precision))
-  return name == "DEFAULT" or any(t in name for t in ("TF32", "BF16", "F16", "F8"))
-
-
-def _all_eqns(jaxpr):
-  """Every equation, inside jit, scan, remat and other sub-jaxprs too."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for p in eqn.params.values():
-      for sub in p if isinstance(p, (list, tuple)) else (p,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
-        if hasattr(sub, "eqns"):
-          yield from _all_eqns(sub)
-
-
 def _fits_one_device(params, tx, device) -> bool:
   """Whether parameters, gradients and optimizer state take at most half a device's memory."""
   try:
@@ -320,15 +393,25 @@ def _fits_one_device(params, tx, device) -> bool:
   return 2 * nbytes(params) + nbytes(opt) <= limit // 2
 
 
-# -- the reference ---------------------------------------------------------------
+# -- the references --------------------------------------------------------------
 
 
-def _placement(reference: str, devices: list):
-  """Functions placing parameters, batches and optimizer state for the reference."""
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Where a reference runs: functions placing parameters, batches and optimizer state."""
+
+  put: Callable
+  put_batch: Callable
+  constrain: Callable
+  device: Any  # the device whose free memory bounds the reference
+
+
+def _placement(reference: str, devices: list) -> _Placement:
   if reference == "one_device":
     dev = jax.local_devices()[0]
-    put = lambda t: jax.device_put(t, dev)
-    return put, put, lambda t: t
+    # Copies: the reference's step donates its parameters, never the caller's arrays.
+    put = lambda t: jax.device_put(t, dev, may_alias=False)
+    return _Placement(put, put, lambda t: t, dev)
   mesh = Mesh(np.array(devices), ("d",))
   n = len(devices)
 
@@ -342,63 +425,152 @@ def _placement(reference: str, devices: list):
     return jax.tree_util.tree_map(lambda x: jax.device_put(x, NamedSharding(
         mesh, P("d") if np.shape(x)[0] % n == 0 else P())), t)
 
-  put = lambda t: jax.tree_util.tree_map(lambda x: jax.device_put(x, sharding(x)), t)
+  put = lambda t: jax.tree_util.tree_map(
+      lambda x: jax.device_put(x, sharding(x), may_alias=False), t)
   constrain = lambda t: jax.tree_util.tree_map(
       lambda x: jax.lax.with_sharding_constraint(x, sharding(x)), t)
-  return put, put_batch, constrain
+  return _Placement(put, put_batch, constrain, devices[0])
 
 
-def _reference_run(loss_fn, tx, params, batches, put, put_batch, constrain):
-  """`len(batches)` steps of jitted value_and_grad + optimizer: (losses, parameters)."""
+def _value_and_grad(loss_fn: Callable, slices: int) -> Callable:
+  """`jax.value_and_grad(loss_fn)` over the batch in `slices` equal slices, accumulated
+  in float32 by a `lax.scan` (plain JAX's gradient accumulation)."""
+  whole = jax.value_and_grad(loss_fn)
+  if slices == 1:
+    return whole
 
-  @jax.jit
-  def train_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return constrain(optax.apply_updates(params, updates)), constrain(opt_state), loss
+  def accumulated(params, batch):
+    cut = jax.tree_util.tree_map(
+        lambda x: x.reshape((slices, x.shape[0] // slices) + x.shape[1:]), batch)
+    wide = lambda t: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), t)
 
-  params = put(params)
-  opt_state = jax.jit(lambda p: constrain(tx.init(p)))(params)
-  losses = []
-  for b in batches:
-    params, opt_state, loss = train_step(params, opt_state, put_batch(b))
-    losses.append(float(loss))
-  return losses, params
+    def body(total, piece):
+      loss, grads = whole(params, piece)
+      return jax.tree_util.tree_map(jnp.add, total, wide((loss, grads))), None
+
+    zero = wide((jnp.zeros(()), jax.tree_util.tree_map(jnp.zeros_like, params)))
+    (loss, grads), _ = jax.lax.scan(body, zero, cut)
+    grads = jax.tree_util.tree_map(lambda g, p: (g / slices).astype(p.dtype), grads, params)
+    return loss / slices, grads
+
+  return accumulated
 
 
-def _sgd_check(step, loss_fn, params, batch, start, put, put_batch, compile_kwargs):
-  """One SGD step of the strategy, read back as a gradient, against the reference's.
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+  """Plain `jax.value_and_grad` + optimizer under `jax.jit`, as the check runs it."""
 
-  Returns per leaf the relative difference, and a mask of the elements whose reference
-  gradient is clear of the leaf's gradient noise (`_NOISE_MULTIPLE` times the RMS
-  difference).
-  """
-  grads = _host(jax.jit(jax.grad(loss_fn))(put(params), put_batch(batch)))
+  loss_fn: Callable
+  tx: optax.GradientTransformation
+  placement: _Placement
+  highest: bool  # float32 matrix products at the highest precision
+  cast: Callable = lambda t: t  # applied to the parameters first
+  # Compiled steps by number of slices: the one `slices_that_fit` measured is the one run.
+  _compiled: dict = dataclasses.field(default_factory=dict)
+
+  def _precision(self):
+    return jax.default_matmul_precision("highest" if self.highest else None)
+
+  def _step(self, slices: int, params, opt_state, batch):
+    """The compiled step: (params, opt_state, batch) -> (params, opt_state, loss, grads)."""
+    if slices not in self._compiled:
+      vg, c = _value_and_grad(self.loss_fn, slices), self.placement.constrain
+
+      def train_step(params, opt_state, batch):
+        loss, grads = vg(params, batch)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return c(optax.apply_updates(params, updates)), c(opt_state), loss, grads
+
+      with self._precision():
+        self._compiled[slices] = jax.jit(train_step, donate_argnums=(0, 1)).lower(
+            params, opt_state, batch).compile()
+    return self._compiled[slices]
+
+  def _placed(self, params, batch):
+    pl = self.placement
+    params = pl.put(self.cast(params))
+    with self._precision():
+      opt_state = jax.jit(lambda p: pl.constrain(self.tx.init(p)))(params)
+    return params, opt_state, pl.put_batch(batch)
+
+  def slices_that_fit(self, params, batch) -> int:
+    """A number of slices of the batch whose compiled step XLA counts as fitting the
+    device's free memory (1 where the device does not say its memory).
+
+    The steps on slices of one and two rows are compiled first: what a row adds gives
+    each slicing's size, so the whole batch's step (a large float32 one can take minutes
+    for XLA to try to fit) is compiled only where it should fit."""
+    try:
+      stats = self.placement.device.memory_stats() or {}
+    except Exception:  # backends without memory statistics
+      stats = {}
+    if not stats.get("bytes_limit"):
+      return 1
+    free = 0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    size = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    shapes = lambda t: jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                                       sharding=getattr(x, "sharding", None)), t)
+    args = tuple(map(shapes, self._placed(params, batch)))
+    need = lambda n: _needs(self._step(n, *args).memory_analysis())
+    if size == 1:
+      return 1
+    # Slices of one and of two rows: what a row of a slice adds.
+    one = need(size)
+    per_row = need(size // 2) - one if size % 2 == 0 else one
+    for n in (d for d in range(1, size + 1) if size % d == 0):
+      if n == size or one + per_row * (size // n - 1) <= free:
+        if n == size or need(n) <= free:
+          return n
+        del self._compiled[n]
+    return size
+
+  def train(self, params, batches, slices: int):
+    """`len(batches)` steps: the losses, the parameters and the first step's gradient,
+    on the host."""
+    params, opt_state, _ = self._placed(params, batches[0])
+    losses, first = [], None
+    for b in batches:
+      b = self.placement.put_batch(b)
+      params, opt_state, loss, grads = self._step(slices, params, opt_state, b)(
+          params, opt_state, b)
+      losses.append(float(loss))
+      first = _host(grads) if first is None else first
+      del grads
+    out = _host(params)
+    del params, opt_state
+    return losses, out, first
+
+
+def _needs(analysis) -> float:
+  """Bytes a compiled program holds at once, by XLA's count (0 where it has none)."""
+  if analysis is None:
+    return 0.0
+  return float(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+               - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+
+
+def _sgd_gradient(step, params, batch, start: list, grads: list) -> list:
+  """The gradient read off one SGD step of the strategy (`step.with_optimizer`)."""
   # A learning rate that makes the update as large as the parameters, so that reading
   # the gradient back as (before - after) / lr keeps the parameters' precision.
   g_norm = math.sqrt(sum(_norm(g) ** 2 for g in grads))
   p_norm = math.sqrt(sum(_norm(p) ** 2 for p in start))
   lr = p_norm / g_norm if g_norm > 0 and p_norm > 0 and math.isfinite(p_norm / g_norm) else 1.0
-  sgd_step = _compile(loss_fn, optax.sgd(lr), step.directives, params, batch,
-                      devices=list(step.devices), **compile_kwargs)
+  sgd_step = step.with_optimizer(optax.sgd(lr))
   state, _ = sgd_step(sgd_step.init(params), batch)
   after = _host(sgd_step.params(state))
   del state
-  rms = _rms(grads)
-  rel, keep = [], []
-  for p0, p1, g in zip(start, after, grads):
-    g = np.asarray(g, np.float64)
-    implied = (np.asarray(p0, np.float64) - np.asarray(p1, np.float64)) / lr
-    rel.append(_norm(implied - g) / max(_norm(g), rms * math.sqrt(g.size), _TINY))
-    noise = _norm(implied - g) / math.sqrt(max(g.size, 1))
-    keep.append(np.abs(g) > _NOISE_MULTIPLE * noise if noise > 0 else np.ones(g.shape, bool))
-  return rel, keep
+  return [(np.asarray(p0, np.float64) - np.asarray(p1, np.float64)) / lr
+          for p0, p1 in zip(start, after)]
 
 
-def _compile(*args, **kwargs):
-  # Looked up when called, so that tests can put a faulty compiler in its place.
-  from piper_jax.compile import compile as pj_compile
-  return pj_compile(*args, **kwargs)
+def _rel_leaves(got: list, ref: list) -> list[float]:
+  """Per leaf ||got - ref|| / ||ref||, dividing by at least the norm of a leaf as large
+  with the model's RMS element."""
+  rms = _rms(ref)
+  return [_norm(np.asarray(a, np.float64) - np.asarray(g, np.float64))
+          / max(_norm(g), rms * math.sqrt(np.size(g)), _TINY) for a, g in zip(got, ref)]
 
 
 # -- comparisons -----------------------------------------------------------------
@@ -431,7 +603,9 @@ def _nan_first(d: float) -> float:
   return math.inf if math.isnan(d) else d
 
 
-def _worst(leaves: dict[str, float], first=()) -> tuple[tuple[str, float], ...]:
-  """The `_N_WORST` largest, NaN and the leaves named in `first` before the rest."""
-  key = lambda kv: (kv[0] not in first, -_nan_first(kv[1]))
-  return tuple(sorted(leaves.items(), key=key)[:_N_WORST])
+def _worst(leaves: dict[str, float], scores: dict[str, float],
+           first=()) -> tuple[tuple[str, float], ...]:
+  """The `_N_WORST` leaves with the largest scores (NaN and the leaves named in `first`
+  before the rest), with their values."""
+  key = lambda k: (k not in first, -_nan_first(scores[k]))
+  return tuple((k, leaves[k]) for k in sorted(leaves, key=key)[:_N_WORST])

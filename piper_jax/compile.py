@@ -24,6 +24,7 @@ from piper_jax.lowering.optimizer import packed_update_reason
 from piper_jax.lowering.options import LoweringOptions
 from piper_jax.lowering.program import Program
 from piper_jax.lowering.trace import check_leaf, trace_loss
+from piper_jax.check import check as check_step
 
 __all__ = ["CompiledMemory", "TrainState", "TrainStep", "compile", "plan"]
 
@@ -452,14 +453,25 @@ class TrainStep:
 
   def check(self, params: Any, batch: Any, steps: int = 2, **kwargs):
     """Runs this strategy and the plain computation from `params` and compares them:
-    losses, every leaf after `steps` steps and one plain-SGD step's gradients.
+    losses, every leaf after `steps` steps and one plain-SGD step's gradients (in
+    reduced precision, both against a float32 run of the same model).
 
     Returns a `piper_jax.check.CheckReport` (`print` it; `.passed`); `kwargs` go to
-    `piper_jax.check.check` (`reference`, `rtol`, `sgd`).
+    `piper_jax.check.check` (`reference`, `rtol`, `sgd`, `fp32_loss_fn`, `slices`).
     """
-    from piper_jax.check import check
-    kwargs.setdefault("compile_kwargs", {"options": self.options})
-    return check(self, params, batch, steps=steps, **kwargs)
+    return check_step(self, params, batch, steps=steps, **kwargs)
+
+  def with_optimizer(self, optimizer: optax.GradientTransformation) -> "TrainStep":
+    """The same strategy, loss, devices and options compiled with another optimizer."""
+    params = jax.tree_util.tree_unflatten(
+        self._traced.param_tree,
+        [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in self._traced.param_leaves])
+    batch = jax.tree_util.tree_unflatten(
+        self._traced.batch_tree,
+        [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype)
+         for x in self._traced.spec.batch])
+    return TrainStep(self.loss_fn, optimizer, self.directives, params, batch, self.devices,
+                     self.options)
 
   def lower(self, state: TrainState, batch: Any):
     """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""

@@ -4,11 +4,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import piper_jax as pj
 from piper_jax import check as check_mod
+from piper_jax.precision import precision_of
 from piper_jax.check import check
 from models import init_mlp, mlp_loss, optimizer, random_batch
 
@@ -136,18 +138,15 @@ def test_a_bias_that_starts_at_zero_is_compared_at_the_models_scale():
   assert reports[5e-2].worst[0][0] == "['stage0']['b']"
 
 
-def test_gradient_scale_hidden_by_adam_is_caught_by_sgd(monkeypatch):
+def test_gradient_scale_hidden_by_adam_is_caught_by_sgd():
   # A strategy whose gradients come out twice too large: clipping and Adam normalise the
   # update, so losses and parameters agree; the SGD step does not.
   doubled = lambda tx: optax.chain(optax.scale(2.0), tx)
   step, params, batch = _setup(pj.strategies.pipeline(2, 2, "1f1b"), tx=doubled(optimizer()))
-  wrong = _Wrapped(step, optimizer=optimizer())
-  real_compile = pj.compile
-  monkeypatch.setattr(check_mod, "_compile",
-                      lambda loss_fn, tx, *a, **k: real_compile(loss_fn, doubled(tx), *a, **k))
-  hidden = check(wrong, params, batch, sgd=False, loss_fn=LOSS)
+  wrong = _Wrapped(step, with_optimizer=lambda tx: step.with_optimizer(doubled(tx)))
+  hidden = check(wrong, params, batch, sgd=False, loss_fn=LOSS, optimizer=optimizer())
   assert hidden.passed, str(hidden)
-  report = check(wrong, params, batch, loss_fn=LOSS)
+  report = check(wrong, params, batch, loss_fn=LOSS, optimizer=optimizer())
   assert report.loss_rel_diff < 1e-5
   assert report.passed is False
   # Twice the gradient is 1.0 off relative to the leaf's own; small leaves are
@@ -158,22 +157,41 @@ def test_gradient_scale_hidden_by_adam_is_caught_by_sgd(monkeypatch):
   assert report.worst_grads[0][0] in str(report).split("worst gradients")[1]
 
 
-def test_bf16_compute_takes_bf16_tolerances():
+def test_bf16_is_judged_against_float32_beside_plain_jax():
   def bf16_loss(params, batch):
     half = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
     return LOSS(half, {"x": batch["x"].astype(jnp.bfloat16), "y": batch["y"]}).astype(jnp.float32)
 
   step, params, batch = _setup(pj.strategies.data_parallel(2), loss_fn=bf16_loss)
-  report = check(step, params, batch, sgd=False, loss_fn=bf16_loss)
-  assert report.precision == "bf16" and report.rtol == report.loss_rtol == 2e-2
+  report = check(step, params, batch, loss_fn=bf16_loss)
+  assert report.precision == "bf16" and report.rtol == report.loss_rtol == 2.0 ** -8
+  assert report.factor == 2.0 and report.slices == 1
   assert report.passed, str(report)
-  assert check_mod._precision(LOSS, params, batch, "cpu") == "fp32"
+  # Both bf16 runs are off the float32 run by bf16 rounding, not by nothing.
+  assert 1e-4 < max(report.plain_grad_leaves.values()) < 5e-2
+  assert max(report.grad_leaves.values()) < 2 * max(report.plain_grad_leaves.values()) + 2.0 ** -8
+  assert len(report.plain_losses) == 2 and report.plain_loss_rel_diff < 1e-2
+  text = str(report)
+  assert "float32 run" in text and "plain JAX" in text and "x)" in text
+  # An explicit float32 loss is the same truth as the widened one.
+  explicit = check(step, params, batch, loss_fn=bf16_loss, fp32_loss_fn=LOSS, sgd=False)
+  assert explicit.reference_losses == pytest.approx(report.reference_losses, rel=1e-6)
+  # The references can accumulate over slices of the batch; the float32 truth barely moves.
+  sliced = check(step, params, batch, loss_fn=bf16_loss, slices=4, sgd=False)
+  assert sliced.slices == 4 and sliced.passed, str(sliced)
+  assert sliced.reference_losses == pytest.approx(report.reference_losses, rel=1e-5)
+
+
+def test_precision_of_the_loss():
+  params = init_mlp(jax.random.PRNGKey(0), N_STAGES)
+  batch = random_batch(jax.random.PRNGKey(1), 16)
+  assert precision_of(LOSS, params, batch, "cpu") == "fp32"
   half = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
-  assert check_mod._precision(LOSS, half, batch, "cpu") == "bf16"
+  assert precision_of(LOSS, half, batch, "cpu") == "bf16"
   # Float32 matrix products at an accelerator's default precision round their inputs.
-  assert check_mod._precision(LOSS, params, batch, "gpu") == "tf32"
+  assert precision_of(LOSS, params, batch, "gpu") == "tf32"
   with jax.default_matmul_precision("highest"):
-    assert check_mod._precision(LOSS, params, batch, "gpu") == "fp32"
+    assert precision_of(LOSS, params, batch, "gpu") == "fp32"
 
 
 def test_batches_one_repeated_a_list_or_too_few():
@@ -201,10 +219,65 @@ def test_train_check_stops_on_a_failed_report(monkeypatch, capsys):
     seen.update(kw, step=step)
     return failed
 
-  monkeypatch.setattr(check_mod, "check", fake_check)
+  monkeypatch.setattr(pj.TrainStep, "check", fake_check)
   with pytest.raises(train.CheckFailed, match="1 failed comparison"):
     train.main(["--strategy", "zero1", "--batch", "8", "--steps", "1", "--quiet",
                 "--data", "synthetic", "--check"])
-  assert seen["steps"] == 2 and seen["compile_kwargs"]["options"].roll is True
+  assert seen["steps"] == 2 and seen["step"].options.roll is True
   out = capsys.readouterr().out
   assert "check FAILED" in out and "['w']" in out
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "qwen3-tiny", "--strategy", "pp-1f1b", "--stages", "2", "--dp", "2",
+     "--microbatches", "2", "--dtype", "bfloat16"],
+    ["--model", "qwen3-moe-tiny", "--strategy", "zero1", "--dtype", "bfloat16"],
+    ["--model", "tiny", "--strategy", "pp-zb", "--stages", "2", "--microbatches", "2",
+     "--dtype", "bfloat16"],
+    ["--model", "tiny", "--experts", "8", "--ep", "--strategy", "zero1", "--dtype", "bfloat16"],
+    ["--model", "qwen3-tiny", "--strategy", "zero3", "--dtype", "float32"],
+], ids=["qwen3-1f1b-bf16", "qwen3-moe-zero1-bf16", "gpt-zb-bf16", "gpt-moe-ep-bf16",
+        "qwen3-zero3-fp32"])
+def test_train_check_passes_correct_strategies(args, capsys):
+  from examples import train
+
+  train.main(args + ["--batch", "8", "--steps", "1", "--quiet", "--data", "synthetic",
+                     "--check"])
+  out = capsys.readouterr().out
+  assert "check PASSED" in out
+  if "bfloat16" in args:
+    assert "against a float32 run" in out
+
+
+def test_references_take_slices_of_the_batch_to_fit_the_device():
+  # Activations, not parameters, take the memory: slices of the batch save it.
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 2048)) * 0.1}
+  batch = {"x": jax.random.normal(jax.random.PRNGKey(1), (64, 8))}
+  loss = lambda p, b: jnp.mean(jnp.tanh(jnp.tanh(b["x"] @ p["w"]) * 2.0) ** 2)
+
+  class Device:  # a device that says how much memory it has
+    def __init__(self, limit):
+      self.limit = limit
+
+    def memory_stats(self):
+      return {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+  def reference(limit):
+    base = check_mod._placement("one_device", jax.devices()[:1])
+    placement = check_mod._Placement(base.put, base.put_batch, base.constrain, Device(limit))
+    return check_mod._Reference(loss, optax.adam(1e-2), placement, highest=False)
+
+  sizes = {}
+  for n in (1, 64):
+    ref = reference(1)
+    args = ref._placed(params, batch)
+    sizes[n] = check_mod._needs(ref._step(n, *args).memory_analysis())
+  assert sizes[64] < sizes[1]
+  assert reference(2 * sizes[1] / 0.9).slices_that_fit(params, batch) == 1
+  assert reference(sizes[64] / 0.9 * 1.01).slices_that_fit(params, batch) > 1
+  # A sliced reference trains as the whole batch does.
+  whole, sliced = reference(1), reference(1)
+  a, b = whole.train(params, [batch], 1), sliced.train(params, [batch], 8)
+  assert a[0] == pytest.approx(b[0], rel=1e-5)
+  np.testing.assert_allclose(np.concatenate([x.ravel() for x in a[2]]),
+                             np.concatenate([x.ravel() for x in b[2]]), rtol=1e-4, atol=1e-7)
