@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from typing import Any, Mapping, Sequence, Union
@@ -22,20 +23,25 @@ PASSES = ("F", "B", "BI", "BW")
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def freeze_filter(spec: Mapping[str, FilterValue] | Filter | None) -> Filter:
-  """A filter dict (`{TAG: index | "*"}`) as a hashable, sorted tuple."""
+def freeze_filter(spec: Mapping[str, FilterValue] | Filter | None, op: str = "") -> Filter:
+  """A filter dict (`{TAG: index | "*"}`) as a hashable, sorted tuple.
+
+  `op` names the directive being built, for the error message."""
   if spec is None:
     return ()
   items = spec.items() if isinstance(spec, Mapping) else spec
+  where = f"pj.{op} filter {dict(items)}: " if op else ""
   out = []
   for tag, value in items:
     if not isinstance(tag, str):
-      raise ValueError(f"filter keys must be tag names, got {tag!r}")
+      raise ValueError(f"{where}filter keys must be tag names, got {tag!r}")
     if tag == "PASS":
       if value != "*" and value not in PASSES:
-        raise ValueError(f"filter PASS must be one of {PASSES} or '*', got {value!r}")
+        upper = value.upper() if isinstance(value, str) else None
+        hint = f" (did you mean {upper!r}?)" if upper in PASSES else ""
+        raise ValueError(f"{where}PASS must be one of {list(PASSES)} or '*', got {value!r}{hint}")
     elif not (value == "*" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
-      raise ValueError(f"filter value for {tag!r} must be an index >= 0 or '*', got {value!r}")
+      raise ValueError(f"{where}the value for {tag!r} must be an index >= 0 or '*', got {value!r}")
     out.append((tag, value))
   return tuple(sorted(out))
 
@@ -82,6 +88,7 @@ class Directive:
       if op in _NEEDS_FILTER and obj.get("filter") is None:
         raise ValueError(f'a {op} entry needs a "filter": add "filter": {{}} to match every '
                          f'node, or name the nodes, e.g. "filter": {{"PP": 0}}')
+      _check_keys(op, obj)
       return _OPS[op]._from_json(obj)
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"{json.dumps(obj, default=repr)}: {e}") from None
@@ -211,6 +218,32 @@ class Order(Directive):
 
 
 _OPS = {c.op: c for c in (Place, Replicate, Shard, ShardTensor, Split, Order)}
+# The keys each entry takes, Piper's spellings included: (required, optional).
+_KEYS = {
+    "place": (("filter", "devices"), ("stream",)),
+    "replicate": (("filter", "devices"),
+                  ("zero", "shard_grads", "shard_params", "bucket_size", "reduce_stream",
+                   "gather_stream", "reduce_dtype")),
+    "shard": (("filter", "devices"), ()),
+    "shard_tensor": (("filter", "devices"), ("axis",)),
+    "split": (("num_microbatches",), ("filter", "dim_name")),
+    "order": (("filters",), ()),
+}
+
+
+def _check_keys(op: str, obj: Mapping[str, Any]) -> None:
+  """Refuses an unknown key (a misspelling would otherwise be dropped) and a missing one."""
+  required, optional = _KEYS[op]
+  allowed = ("op",) + required + optional
+  takes = f"a {op} entry takes {', '.join(repr(k) for k in allowed)}"
+  for key in obj:
+    if key not in allowed:
+      close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.5)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise ValueError(f"unknown key {key!r}{hint}; {takes}")
+  for key in required:
+    if key not in obj:
+      raise ValueError(f"missing key {key!r}; {takes}")
 # Split's filter stays optional (Piper requires it): `pj.split` documents `filter=None`, and
 # a split must cover the whole model whatever its filter says.
 _NEEDS_FILTER = ("place", "replicate", "shard", "shard_tensor")
@@ -218,7 +251,7 @@ _NEEDS_FILTER = ("place", "replicate", "shard", "shard_tensor")
 
 def place(filter, devices, stream=None) -> Place:
   """Places the nodes matched by `filter` on `devices`."""
-  return Place(freeze_filter(filter), _devices(devices), stream)
+  return Place(freeze_filter(filter, "place"), _devices(devices), stream)
 
 
 def replicate(filter, devices, zero=0, bucket_mb=None, reduce_stream=None,
@@ -238,18 +271,18 @@ def replicate(filter, devices, zero=0, bucket_mb=None, reduce_stream=None,
     if reduce_dtype not in REDUCE_DTYPES:
       raise ValueError(f"replicate reduce_dtype must be one of {list(REDUCE_DTYPES)} or None, "
                        f"got {reduce_dtype!r}")
-  return Replicate(freeze_filter(filter), _devices(devices), zero, bucket_mb, reduce_stream,
+  return Replicate(freeze_filter(filter, "replicate"), _devices(devices), zero, bucket_mb, reduce_stream,
                    gather_stream, reduce_dtype)
 
 
 def shard(filter, devices) -> Shard:
   """Expert parallel: shards the expert axis of the matched regions over `devices`."""
-  return Shard(freeze_filter(filter), _devices(devices))
+  return Shard(freeze_filter(filter, "shard"), _devices(devices))
 
 
 def shard_tensor(filter, devices, axis="tp") -> ShardTensor:
   """Tensor parallel: splits parameters whose partitioning names `axis` over `devices`."""
-  return ShardTensor(freeze_filter(filter), _devices(devices), str(axis))
+  return ShardTensor(freeze_filter(filter, "shard_tensor"), _devices(devices), str(axis))
 
 
 def split(num_microbatches, filter=None, dim_name="MB") -> Split:
@@ -258,7 +291,7 @@ def split(num_microbatches, filter=None, dim_name="MB") -> Split:
     raise ValueError(f"split num_microbatches must be an int >= 1, got {num_microbatches!r}")
   if dim_name != "MB":
     raise ValueError(f"split dim_name must be 'MB' (the only microbatch tag), got {dim_name!r}")
-  return Split(num_microbatches, freeze_filter(filter), dim_name)
+  return Split(num_microbatches, freeze_filter(filter, "split"), dim_name)
 
 
 def order(groups) -> Order:
@@ -273,7 +306,7 @@ def order(groups) -> Order:
     g = [g] if isinstance(g, Mapping) else list(g)
     if not g:
       raise ValueError("order groups must not be empty")
-    frozen.append(tuple(freeze_filter(f) for f in g))
+    frozen.append(tuple(freeze_filter(f, "order") for f in g))
   if len(frozen) < 2:
     raise ValueError("order needs at least two groups")
   return Order(tuple(frozen))

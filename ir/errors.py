@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DirectiveError", "PlanError"]
+__all__ = ["DeviceIndexError", "DirectiveError", "PlanError"]
 
 
 class PlanError(ValueError):
@@ -20,3 +20,12 @@ class DirectiveError(PlanError):
       label = "directive" if index is None else f"directive {index}"
       where = f"{label} {directive.to_json_str()}: "
     super().__init__(where + message)
+
+
+class DeviceIndexError(DirectiveError):
+  """A directive names a device index past the devices the step has."""
+
+  def __init__(self, message: str, index: int | None = None, directive=None,
+               n_devices: int = 0):
+    super().__init__(message, index, directive)
+    self.n_devices = n_devices

@@ -104,11 +104,7 @@ def derive_mesh(graph: Graph, placed_by: Mapping[str, int], directives: Sequence
       continue
     if n.devices is None:
       # No directive is at fault, so none is named: the message says which one to add.
-      tags = dict(n.tags)
-      raise DirectiveError(
-          f"region {n.region} ({tags or 'the whole model'}) has an unplaced node {n.label}: "
-          f"no place or replicate directive matches it; add one whose filter matches "
-          f"{tags}, such as pj.place({tags}, [0])")
+      raise DirectiveError(_unplaced_message(graph, n))
     g = region_group.setdefault(n.region, n.devices)
     if g != n.devices:
       raise err(n.id, f"puts node {n.label} on {list(n.devices)} but other nodes of region "
@@ -137,3 +133,24 @@ def derive_mesh(graph: Graph, placed_by: Mapping[str, int], directives: Sequence
   rank = {g: i for i, g in enumerate(groups)}
   z = next(iter(zero)) if len(groups[0]) > 1 else 0
   return MeshSpec(tuple(groups), {r: rank[g] for r, g in region_group.items()}, z)
+
+
+def _unplaced_message(graph, node) -> str:
+  """Why `node` is unplaced and the change that places it; when other regions of its tag
+  are placed, also the count of the model's regions against the placed ones (a pipeline
+  built for fewer stages than the model has)."""
+  tags = {t: v for t, v in node.tags if t not in ("MB", "PASS")}
+  msg = (f"region {node.region} ({tags or 'the whole model'}) has an unplaced node "
+         f"{node.label}: no place or replicate directive matches it; add one whose filter "
+         f"matches {tags}, such as pj.place({tags}, [0])")
+  computes = [n for n in graph.nodes.values() if n.kind in (NodeKind.COMPUTE, NodeKind.UPDATE)]
+  for tag in tags:
+    have = sorted({dict(n.tags)[tag] for n in computes if tag in dict(n.tags)})
+    placed = sorted({dict(n.tags)[tag] for n in computes
+                     if tag in dict(n.tags) and n.devices is not None})
+    if placed and len(placed) < len(have):
+      return (f"{msg}. The model has {len(have)} {tag} regions ({tag}={have[0]}..{have[-1]}) "
+              f"but the directives place {len(placed)} ({', '.join(f'{tag}={v}' for v in placed)}):"
+              f" a pipeline needs one stage per region (pj.strategies.pipeline("
+              f"n_stages={len(have)}, ...))")
+  return f"{msg}, or pj.place({{}}, [0]) to run the whole model on device 0"

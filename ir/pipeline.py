@@ -6,7 +6,8 @@ import dataclasses
 from typing import Sequence
 
 from piper_jax.ir.build import build_graph
-from piper_jax.ir.directives import Directive, Order, Place, Replicate, Shard, ShardTensor, Split
+from piper_jax.ir.directives import (Directive, Order, Place, Replicate, Shard, ShardTensor, Split,
+                                      place)
 from piper_jax.ir.errors import DirectiveError
 from piper_jax.ir.filters import select
 from piper_jax.ir.graph import Graph, NodeKind
@@ -40,9 +41,12 @@ def _check_filters(model: ModelSpec, directives: Sequence[Directive], n_mb: int)
     for f in _filters(d):
       for tag, value in f:
         if tag not in known:
+          same = [k for k in sorted(known) if k.lower() == tag.lower()]
+          hint = (f"did you mean {same[0]!r}?" if same else
+                  f"annotate regions with pj.annotate({tag!r}) to add it")
           raise DirectiveError(
               f"unknown tag {tag!r} in filter {dict(f)}; this model's tags are "
-              f"{sorted(known)} (annotate regions with pj.annotate({tag!r}) to add it)", i, d)
+              f"{sorted(known)} ({hint})", i, d)
         if tag == "MB" and value != "*" and value >= n_mb:
           raise DirectiveError(f"filter {dict(f)} names microbatch {value} but the batch is split "
                                f"into {n_mb}", i, d)
@@ -105,6 +109,9 @@ def place_graph(model: ModelSpec, directives: Sequence[Directive], n_devices: in
   for i, d in enumerate(directives):
     if not isinstance(d, Directive):
       raise TypeError(f"directive {i} is {d!r}, not a piper_jax directive (pj.place, ...)")
+  if not any(isinstance(d, (Place, Replicate)) for d in directives):
+    # Directives that place nothing (a split alone: gradient accumulation) run on one device.
+    directives.append(place({}, [0]))
   n_mb = _num_microbatches(model, directives)
   _check_filters(model, directives, n_mb)
   graph = check_(build_graph(model), "build_graph")

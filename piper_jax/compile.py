@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from piper_jax.ir.directives import (Directive, Replicate, ShardTensor, Split,
                                       load_directives)
+from piper_jax.ir.errors import DeviceIndexError
 from piper_jax.ir.graph import Graph, NodeKind
 from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
 from piper_jax.ir.plan import Plan
@@ -166,7 +167,15 @@ class TrainStep:
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
     self.loss_fn, self.optimizer = loss_fn, optimizer
-    traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch, len(self.devices))
+    try:
+      traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch,
+                                  len(self.devices))
+    except DeviceIndexError as e:
+      if self.devices[0].platform == "cpu":
+        e.args = (f"{e.args[0]}. On the CPU, JAX makes N devices when told before it starts: "
+                  f"XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment, or "
+                  f"jax.config.update('jax_num_cpu_devices', N) before the first use of jax",)
+      raise
     pm = plan.mesh
     batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
     self.plan: Plan = plan
@@ -481,6 +490,13 @@ class TrainStep:
     """What the compiled step needs per device, from XLA's memory analysis of it.
 
     Compiles the step on shapes (nothing is allocated); later calls run that program."""
+    return CompiledMemory.of(self.compile())
+
+  def compile(self) -> jax.stages.Compiled:
+    """Compiles the step with XLA now, from shapes alone (nothing is allocated), as
+    `jax.jit(f).lower(...).compile()` does; every later call runs this program, so the
+    first step is a step and compile time is measured here. Returns the compiled step
+    (`.as_text()`, `.memory_analysis()`, `.cost_analysis()`)."""
     if self._compiled is None:
       abstract = lambda shapes, shardings: jax.tree_util.tree_map(
           lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -490,7 +506,7 @@ class TrainStep:
                                     sharding=self._batch_sharding)
                for x in self._traced.spec.batch]
       self._compiled = self._step.lower(TrainState(params, opt_state, self), batch).compile()
-    return CompiledMemory.of(self._compiled)
+    return self._compiled
 
   def params(self, state: TrainState) -> Any:
     """The parameters as the user's original pytree, gathered."""

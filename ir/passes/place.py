@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from piper_jax.ir.directives import Place, Replicate
-from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.errors import DeviceIndexError, DirectiveError
 from piper_jax.ir.filters import select
 from piper_jax.ir.graph import Graph
 
@@ -24,9 +24,9 @@ def place_nodes(graph: Graph, directives: Sequence[tuple[int, Place | Replicate]
   for index, d in directives:
     bad = [x for x in d.devices if not 0 <= x < n_devices]
     if bad:
-      raise DirectiveError(
+      raise DeviceIndexError(
           f"device index {bad[0]} is out of range: there are {n_devices} devices "
-          f"(indices 0..{n_devices - 1})", index, d)
+          f"(indices 0..{n_devices - 1})", index, d, n_devices=n_devices)
     for n in select(graph, d.filter):
       n = updated.get(n.id, n)
       zero = d.zero if isinstance(d, Replicate) else n.zero
