@@ -19,11 +19,21 @@ steps of the strategy with the plain computation (`piper_jax.check`) and stops,
 exit status 1, when they differ. `--strategy auto` lets `pj.strategies.search` choose
 among them for the model's `--stages` regions and `--memory-gib` per device, prints
 its table and trains with the best.
+
+Started by the local launcher, the processes train one model over all their devices
+(here 2 x 4 CPU devices) and process 0 prints:
+
+  python -m piper_jax.launch --nprocs 2 --devices-per-proc 4 examples/train.py \
+      --strategy zero1 --steps 6
+
+On a terminal a progress bar shows the loss; piped or logged, one line every
+`--log-every` steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -76,29 +86,44 @@ class UsageError(ValueError):
   """Flags that do not fit together or do not fit the devices."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--strategy", choices=STRATEGIES, default="pp-1f1b")
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each option's default, except where its help already says what it is."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    if "default" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=_DefaultsFormatter)
+  p.add_argument("--strategy", choices=STRATEGIES, default="pp-1f1b",
+                 help="how the model is split over the devices")
   p.add_argument("--stages", type=int, default=2,
                  help="pipeline stages (pp-* strategies; auto: the model's PP regions)")
   p.add_argument("--memory-gib", type=float, default=None,
                  help="auto: memory per device the strategy must fit (default: the "
                       "device's, or 16 GiB on CPU)")
   p.add_argument("--timelines", metavar="DIR", default=None,
-                 help="auto: draw the plans of the three fastest candidates into DIR")
+                 help="auto: draw the plans of the three fastest candidates into DIR "
+                      "(default: none drawn)")
   p.add_argument("--calibrate", metavar="CACHE.json", default=None,
                  help="auto: time each region on the first device (kept in this file for "
-                      "the next run) and rank by those times instead of FLOP counts")
+                      "the next run) and rank by those times instead of FLOP counts "
+                      "(default: rank by FLOP counts)")
   p.add_argument("--microbatches", type=int, default=4,
                  help="microbatches per step (pp-* strategies)")
   p.add_argument("--dp", type=int, default=1,
                  help="data-parallel degree (pp-* strategies)")
   p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                  help="ZeRO level (pp-* strategies)")
-  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--steps", type=int, default=10, help="training steps")
   p.add_argument("--batch", type=int, default=16, help="global batch size")
-  p.add_argument("--model", choices=tuple(gpt.PRESETS) + tuple(qwen3.PRESETS), default="tiny")
-  p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
+  p.add_argument("--model", choices=tuple(gpt.PRESETS) + tuple(qwen3.PRESETS), default="tiny",
+                 help="model preset")
+  p.add_argument("--seq-len", type=int, default=None,
+                 help="override the preset's sequence length (default: the preset's)")
   p.add_argument("--experts", type=int, default=0,
                  help="GPT presets: 0: dense; N: MoE GPT with N experts, top-2, in every "
                       "block (examples/moe.py)")
@@ -113,19 +138,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "bucket_mb; 0: one all-reduce per parameter slot at the step's end)")
   p.add_argument("--no-roll", dest="roll", action="store_false",
                  help="unroll every tick instead of compiling the schedule's steady state as "
-                      "one loop (pj.compile(roll=False))")
+                      "one loop (pj.compile(roll=False); default: rolled)")
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                  help="store less per microbatch: B recomputes elementwise residuals from "
                       "a value stored in their place (pj.compile(remat=...); default: "
                       "pipelines only)")
-  p.add_argument("--lr", type=float, default=1e-3)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--lr", type=float, default=1e-3, help="adamw's learning rate")
+  p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data")
   p.add_argument("--data", default="stdlib",
                  help="a text file or folder to train a byte-level model on; 'stdlib' "
                       "(default) is the Python standard library's source; 'synthetic' a "
                       "learnable random walk")
-  p.add_argument("--metrics", default=None, help="append per-step metrics to this JSONL file")
-  p.add_argument("--ckpt-dir", default=None, help="checkpoint folder (orbax)")
+  p.add_argument("--metrics", default=None,
+                 help="append per-step metrics to this JSONL file (default: none written)")
+  p.add_argument("--ckpt-dir", default=None,
+                 help="checkpoint folder (orbax; default: no checkpoints)")
   p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: at the end)")
   p.add_argument("--resume", action="store_true",
                  help="continue from the newest checkpoint in --ckpt-dir (any strategy)")
@@ -134,8 +161,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "with the plain computation (piper_jax.check) and stop if they differ")
   p.add_argument("--log-every", type=int, default=10,
                  help="read the loss and log every N steps (reading it waits for the devices)")
-  p.add_argument("--quiet", action="store_true", help="no progress bar")
-  return p.parse_args(argv)
+  p.add_argument("--quiet", action="store_true",
+                 help="no progress bar on a terminal: plain lines as when piped")
+  return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
 
 
 def build_strategy(args, n_devices: int):
@@ -295,10 +327,137 @@ def build_model(family, config, experts: int):
   return moe.MoEGPT(config) if experts else gpt.GPT(config)
 
 
+def join_job() -> None:
+  """Joins the other processes when `python -m piper_jax.launch` started this one (its
+  `--devices-per-proc` then sets the CPU devices); else asks for simulated CPU devices."""
+  if not pj.distributed.launched():
+    use_simulated_cpu_devices()
+  elif not jax.distributed.is_initialized():  # a second main() in the process has joined
+    pj.distributed.initialize()
+
+
+@contextlib.contextmanager
+def printing_on_first_process():
+  """Process 0 prints; the others' stdout goes nowhere, so a job's report shows once."""
+  if jax.process_index() == 0:
+    yield
+    return
+  with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+    yield
+
+
+def _global_array(x, sharding) -> jax.Array:
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def feed(step, batch: dict):
+  """The batch as `step` takes it: in one process as it is; in several, one global array
+  made from the whole batch, which every process draws alike, since the rows a process's
+  devices take depend on the strategy."""
+  if jax.process_count() == 1:
+    return batch
+  return jax.tree_util.tree_map(lambda x: _global_array(x, step.batch_sharding), batch)
+
+
+class Progress:
+  """Reports the losses each time they are read: a tqdm bar when stdout and stderr are a
+  terminal, else one plain line (a piped run's log keeps every one). FLOP/s only on
+  accelerators: a CPU's peak is unknown, so its figure means nothing."""
+
+  def __init__(self, args, first: int, tokens_per_step: int, flops_per_step: float,
+               devices: list):
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_device = (flops_per_step / len(devices)
+                             if devices[0].platform != "cpu" else None)
+    first_process = jax.process_index() == 0
+    terminal = sys.stdout.isatty() and sys.stderr.isatty()
+    self.bar = (tqdm(total=args.steps, initial=first, unit="step", dynamic_ncols=True)
+                if terminal and first_process and not args.quiet else None)
+    self.metrics = open(args.metrics, "a") if args.metrics and first_process else None
+
+  def report(self, done: int, values: list[float], seconds: float) -> None:
+    """Steps `done - len(values) + 1 .. done` took `seconds` each and gave `values`."""
+    tps = self.tokens_per_step / seconds
+    tflops = self.flops_per_device / seconds / 1e12 if self.flops_per_device else None
+    if self.bar is not None:
+      self.bar.update(len(values))
+      shown = {} if tflops is None else {"tflops_per_device": f"{tflops:.3g}"}
+      self.bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{tps:,.0f}", **shown)
+    else:
+      shown = "" if tflops is None else f"  {tflops:.3g} TFLOP/s per device"
+      print(f"step {done:5d}  loss {values[-1]:.4f}  {tps:,.0f} tok/s{shown}", flush=True)
+    if self.metrics:
+      for k, value in enumerate(values):
+        row = {"step": done - len(values) + k + 1, "loss": value, "tokens_per_s": tps,
+               "seconds": seconds}
+        if tflops is not None:
+          row["tflops_per_device"] = tflops
+        self.metrics.write(json.dumps(row) + "\n")
+      self.metrics.flush()
+
+  def saved(self, done: int, directory: str, seconds: float) -> None:
+    line = f"step {done:5d}  checkpoint saved to {directory} in {seconds:.2f} s"
+    if self.bar is not None:
+      self.bar.write(line)
+    else:
+      print(line, flush=True)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    if self.metrics:
+      self.metrics.close()
+
+
+def _check_finite(values: list[float], done: int, ckpt_dir: str | None, saved: int) -> None:
+  for k, value in enumerate(values):
+    if not np.isfinite(value):
+      where = f"step {saved} in {ckpt_dir}" if ckpt_dir and saved else "none"
+      raise TrainingDiverged(f"loss is {value} at step {done - len(values) + k + 1}; "
+                             f"stopped. Last good checkpoint: {where}")
+
+
+def train_loop(args, step, state, get_batch, first: int, progress: Progress):
+  """Steps from `first` to `args.steps`; returns (losses, timed windows as (steps,
+  seconds), state). Checkpoint saves are timed apart from the steps."""
+  losses, windows, saved = [], [], first
+  pending, since = [], time.perf_counter()  # steps called whose losses are not read yet
+  for i in range(first, args.steps):
+    state, loss = step(state, feed(step, get_batch(i)))  # returns before the devices finish
+    pending.append(loss)
+    done = i + 1
+    save = args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
+                              or done == args.steps)
+    if not (save or done % args.log_every == 0 or done == args.steps):
+      continue
+    # Reading the losses waits for the devices: once every --log-every steps.
+    values = [float(x) for x in pending]
+    now = time.perf_counter()
+    _check_finite(values, done, args.ckpt_dir, saved)
+    losses += values
+    if done - len(values) > first:  # the first window holds the compilation
+      windows.append((len(values), now - since))
+    progress.report(done, values, (now - since) / len(values))
+    pending = []
+    if save:
+      pj.checkpoint.save(args.ckpt_dir, state, step=done)
+      saved = done
+      progress.saved(done, args.ckpt_dir, time.perf_counter() - now)
+    since = time.perf_counter()
+  return losses, windows, state
+
+
 def main(argv=None) -> dict:
   """Runs the training job; returns {"losses", "tokens_per_s", "step", "state"}."""
   args = parse_args(argv)
-  use_simulated_cpu_devices()
+  join_job()
+  with printing_on_first_process():
+    return run(args)
+
+
+def run(args) -> dict:
+  """The job of `main`, once this process has its devices."""
   devices = jax.devices()
   directives, n_used, n_stages = build_strategy(args, len(devices))
   devices = devices[:n_used]
@@ -306,6 +465,9 @@ def main(argv=None) -> dict:
     raise UsageError(f"--log-every must be >= 1, got {args.log_every}")
   if (args.resume or args.ckpt_every) and not args.ckpt_dir:
     raise UsageError("--resume and --ckpt-every need --ckpt-dir")
+  if args.check and jax.process_count() > 1:
+    raise UsageError("--check compares the strategy with the plain computation in one "
+                     "process; drop --check under the launcher (or run it in one process)")
 
   dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
   overrides = {} if args.data == "synthetic" else {"vocab_size": 256}
@@ -377,56 +539,11 @@ def main(argv=None) -> dict:
   tokens_per_step = args.batch * config.seq_len
   flops_per_step = tokens_per_step * (
       moe.flops_per_token if args.experts else family.flops_per_token)(config)
-  metrics = open(args.metrics, "a") if args.metrics else None
-  bar = None if args.quiet else tqdm(total=args.steps, initial=first, unit="step",
-                                     dynamic_ncols=True)
-  losses, windows, saved = [], [], first
-  pending, since = [], time.perf_counter()  # steps called whose losses are not read yet
+  progress = Progress(args, first, tokens_per_step, flops_per_step, step.devices)
   try:
-    for i in range(first, args.steps):
-      state, loss = step(state, get_batch(i))  # returns before the devices finish
-      pending.append(loss)
-      done = i + 1
-      save = args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
-                                or done == args.steps)
-      if not (save or done % args.log_every == 0 or done == args.steps):
-        continue
-      # Reading the losses waits for the devices: once every --log-every steps.
-      values = [float(x) for x in pending]
-      now = time.perf_counter()
-      seconds = (now - since) / len(values)
-      for k, value in enumerate(values):
-        if not np.isfinite(value):
-          where = f"step {saved} in {args.ckpt_dir}" if args.ckpt_dir and saved else "none"
-          raise TrainingDiverged(f"loss is {value} at step {done - len(values) + k + 1}; "
-                                 f"stopped. Last good checkpoint: {where}")
-      losses += values
-      if done - len(values) > first:  # the first window holds the compilation
-        windows.append((len(values), now - since))
-      tps = tokens_per_step / seconds
-      tflops = flops_per_step / seconds / len(step.devices) / 1e12
-      if bar is not None:
-        bar.update(len(values))
-        bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{tps:,.0f}",
-                        tflops_per_device=f"{tflops:.1f}")
-      else:
-        print(f"step {done:5d}  loss {values[-1]:.4f}  {tps:,.0f} tok/s  "
-              f"{tflops:.1f} TFLOP/s per device")
-      if metrics:
-        for k, value in enumerate(values):
-          metrics.write(json.dumps({"step": done - len(values) + k + 1, "loss": value,
-                                    "tokens_per_s": tps, "tflops_per_device": tflops,
-                                    "seconds": seconds}) + "\n")
-        metrics.flush()
-      pending, since = [], now
-      if save:
-        pj.checkpoint.save(args.ckpt_dir, state, step=done)
-        saved = done
+    losses, windows, state = train_loop(args, step, state, get_batch, first, progress)
   finally:
-    if bar is not None:
-      bar.close()
-    if metrics:
-      metrics.close()
+    progress.close()
 
   steps_timed = sum(n for n, _ in windows)
   tokens_per_s = tokens_per_step * steps_timed / sum(t for _, t in windows) if windows else None
@@ -434,6 +551,7 @@ def main(argv=None) -> dict:
     print(f"mean throughput (after the first {args.log_every} steps): {tokens_per_s:,.0f} tok/s")
   return {"losses": losses, "tokens_per_s": tokens_per_s, "step": step,
           "state": state}
+
 
 if __name__ == "__main__":
   try:

@@ -7,13 +7,27 @@ from typing import Sequence
 
 import jax
 
-__all__ = ["initialize", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_CPU_DEVICES"]
+__all__ = ["initialize", "launched", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
+           "ENV_CPU_DEVICES", "ENV_JOINED_DIR"]
 
 # Set by `python -m piper_jax.launch` for each process it starts.
 ENV_COORDINATOR = "PIPER_COORDINATOR"
 ENV_NUM_PROCESSES = "PIPER_NUM_PROCESSES"
 ENV_PROCESS_ID = "PIPER_PROCESS_ID"
 ENV_CPU_DEVICES = "PIPER_CPU_DEVICES"
+# A folder where each process that joined leaves a file named by its id, so that the
+# launcher can tell a script that never joined from one that did.
+ENV_JOINED_DIR = "PIPER_JOINED_DIR"
+
+
+def launched() -> bool:
+  """Whether `python -m piper_jax.launch` started this process."""
+  return ENV_COORDINATOR in os.environ
+
+
+def joined_marker(directory: str, process_id: int) -> str:
+  """The file process `process_id` leaves in `directory` once it has joined the job."""
+  return os.path.join(directory, f"process-{process_id}.joined")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -25,7 +39,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Without arguments it uses what `python -m piper_jax.launch` set in the
   environment, or else lets `jax.distributed.initialize` detect the cluster (SLURM,
   Open MPI, ...). On CPU it asks for gloo collectives and, under the launcher, for
-  the launcher's number of CPU devices per process. A process whose peer dies
+  the launcher's number of CPU devices per process, and tells the launcher it joined
+  (the launcher fails a run whose processes never do). A process whose peer dies
   exits with an error after about `heartbeat_timeout_seconds` instead of hanging.
   """
   env = os.environ
@@ -43,3 +58,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids,
                              heartbeat_timeout_seconds=heartbeat_timeout_seconds,
                              initialization_timeout=initialization_timeout, **kwargs)
+  if ENV_JOINED_DIR in env and ENV_PROCESS_ID in env:
+    # Named by the launcher's id: jax.process_index() would start the backend here.
+    with open(joined_marker(env[ENV_JOINED_DIR], int(env[ENV_PROCESS_ID])), "w"):
+      pass

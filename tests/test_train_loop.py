@@ -1,7 +1,9 @@
 """The example's training loop: checkpoints, resume (also under another strategy), NaN stop."""
 
 import json
+import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -65,3 +67,44 @@ def test_two_stages_per_device_count_devices_right():
   directives, n_used, n_stages = train.build_strategy(args, 4)
   assert (n_used, n_stages) == (4, 4)
   assert directives[-1].devices == (0, 1, 2, 3)
+
+
+DP = ["--strategy", "dp", "--batch", "8", "--data", "synthetic"]
+
+
+def test_piped_output_is_a_line_per_log_every_and_saves_are_timed_apart(tmp_path, capsys,
+                                                                      monkeypatch):
+  # capsys is no terminal: plain lines, no progress bar. A CPU's peak FLOP/s is unknown,
+  # so no FLOP/s figure. A slow save shows on its own line, not in the steps' tok/s.
+  def slow_save(directory, state, step):
+    time.sleep(1.0)
+
+  monkeypatch.setattr(train.pj.checkpoint, "save", slow_save)
+  train.main(DP + ["--steps", "6", "--log-every", "2", "--ckpt-dir", str(tmp_path / "k"),
+                   "--ckpt-every", "2", "--metrics", str(tmp_path / "m.jsonl")])
+  captured = capsys.readouterr()
+  lines = captured.out.splitlines()
+  steps = [l for l in lines if re.match(r"step +\d+ +loss", l)]
+  assert len(steps) == 3, captured.out
+  for done, line in zip((2, 4, 6), steps):
+    assert re.fullmatch(rf"step +{done} +loss \d+\.\d{{4}} +[\d,]+ tok/s", line), line
+  assert sum("checkpoint saved" in l for l in lines) == 3, captured.out
+  assert "TFLOP" not in captured.out + captured.err
+  assert "\r" not in captured.out + captured.err  # no progress bar redraws
+  rows = [json.loads(l) for l in open(tmp_path / "m.jsonl")]
+  assert "tflops_per_device" not in rows[0]
+  assert all(r["seconds"] < 0.5 for r in rows if r["step"] > 2), rows  # after compilation
+
+
+def test_help_shows_every_default(capsys):
+  with pytest.raises(SystemExit):
+    train.main(["--help"])
+  out = capsys.readouterr().out
+  # Each option's entry starts on a line indented by two spaces; its help wraps below.
+  entries = re.split(r"\n(?=  -)", out.split("options:", 1)[1])[1:]
+  entries = [" ".join(e.split()) for e in entries if not e.lstrip().startswith("-h")]
+  assert len(entries) == len(train.build_parser()._actions) - 1, out
+  for entry in entries:
+    assert "default" in entry, entry
+  for shown in ("(default: pp-1f1b)", "(default: 10)", "(default: 16)", "(default: 0.001)"):
+    assert shown in " ".join(entries)
