@@ -127,6 +127,54 @@ class Estimate:
   update_time: float = 0.0
   plan: Plan = dataclasses.field(default=None, repr=False, compare=False)
 
+  def __str__(self) -> str:
+    return "\n".join(_time_lines(self) + _memory_lines(self.memory))
+
+
+def _time_lines(e: Estimate) -> list[str]:
+  return [f"step time: {format_time(e.step_time)} per step (simulated)",
+          f"  compute: {format_time(e.compute_time)} (bubble: {100 * e.bubble_fraction:.1f}% "
+          f"of it idle)",
+          f"  communication: {format_time(e.comm_time)} ({_comm_note(e)})",
+          f"  optimizer update: {format_time(e.update_time)}"]
+
+
+def _comm_note(e: Estimate) -> str:
+  """How much of the communication the step waits for (the rest overlaps compute)."""
+  waited = e.step_time - e.compute_time - e.update_time
+  if waited <= 1e-6 * e.step_time:
+    return "hidden behind compute"
+  if waited >= e.comm_time * (1 - 1e-6):
+    return "added to the step"
+  return f"{format_time(waited)} of it added to the step, the rest hidden behind compute"
+
+
+def _memory_lines(m: MemoryEstimate) -> list[str]:
+  parts = [("parameters", m.params), ("gradients", m.grads), ("optimizer state", m.optimizer),
+           ("activations", m.activations), ("weight copies", m.weight_copies),
+           ("backward working set", m.working), ("gradient sums' copy", m.sums_copy)]
+  # One backward frees activations as it makes gradients: the peak holds the larger.
+  larger = "" if m.grads_with_activations else ", counting the larger of gradients and activations"
+  return ([f"peak memory: {format_bytes(m.total)} per device (the busiest one{larger})"]
+          + [f"  {name}: {format_bytes(n)}" for name, n in parts if n])
+
+
+def format_bytes(n: float) -> str:
+  """Bytes in the largest binary unit that keeps one digit before the point."""
+  for unit, size in (("GiB", (1 << 30)), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if abs(n) >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{int(n)} B"
+
+
+def format_time(s: float) -> str:
+  """Seconds in s, ms or us, three significant figures."""
+  if s >= 1:
+    return f"{s:.3g} s"
+  if s >= 1e-3:
+    return f"{s * 1e3:.3g} ms"
+  return f"{s * 1e6:.3g} us"
+
 
 # -- the model, measured once ---------------------------------------------------
 

@@ -14,6 +14,13 @@ def _check(n_stages: int, n_microbatches: int) -> None:
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
+def _check_ranks(schedule: str, n_ranks: int, layout: str) -> None:
+  """Two stages or more per rank need two ranks or more to be a pipeline at all."""
+  if n_ranks < 2:
+    raise ValueError(f"{schedule} needs n_ranks >= 2 (it puts {layout}), got "
+                     f"{n_ranks}; use n_ranks >= 2, or one_f_one_b for a single rank")
+
+
 def _order(stage: int, seq: list[tuple[str, int]]) -> Order:
   return order([{"PP": stage, "PASS": p, "MB": m} for p, m in seq])
 
@@ -25,6 +32,10 @@ def _rank_order(groups: list[list[tuple[int, str, int]]]) -> Order:
 
 def stage_sequence(schedule: str, stage: int, n_stages: int, n_microbatches: int) -> list[tuple[str, int]]:
   """The (pass, microbatch) sequence one stage runs under `schedule` ("gpipe" or "1f1b")."""
+  _check(n_stages, n_microbatches)
+  if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
+    raise ValueError(f"stage must be an int in 0..{n_stages - 1} (n_stages={n_stages}), got "
+                     f"{stage!r}")
   m = n_microbatches
   if schedule == "gpipe":
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
@@ -65,11 +76,15 @@ def interleaved_1f1b(n_ranks: int, n_virtual: int, n_microbatches: int) -> list[
   """Interleaved 1F1B (Megatron): rank r holds stages v * n_ranks + r for v < n_virtual.
 
   Microbatches go through the rank's stages in rounds of n_ranks; the bubble is
-  (n_ranks - 1) / (n_virtual * n_microbatches) of the 1F1B one's. Needs
-  n_microbatches divisible by n_ranks.
+  (n_ranks - 1) / (n_virtual * n_microbatches) of the 1F1B one's. Needs n_ranks >= 2,
+  n_virtual >= 2 and n_microbatches divisible by n_ranks.
   """
   _check(n_ranks, n_microbatches)
   _check(n_virtual, 1)
+  if n_virtual < 2:
+    raise ValueError(f"interleaved_1f1b needs n_virtual >= 2 stages per rank, got {n_virtual}; "
+                     f"use one_f_one_b for one stage per rank")
+  _check_ranks("interleaved_1f1b", n_ranks, f"n_virtual={n_virtual} stages on each rank")
   if n_microbatches % n_ranks:
     raise ValueError(f"interleaved_1f1b needs n_microbatches ({n_microbatches}) divisible by "
                      f"n_ranks ({n_ranks})")
@@ -160,10 +175,11 @@ def dualpipev(n_ranks: int, n_microbatches: int) -> list[Order]:
   Microbatches enter at rank 0, run down the ranks through the first stages and
   back up through the second ones. In the steady state each rank pairs the
   forward of one microbatch with the backward of another in one order group
-  (F&B), so one's compute can hide the other's communication. Needs
+  (F&B), so one's compute can hide the other's communication. Needs n_ranks >= 2 and
   n_microbatches >= 2 * n_ranks.
   """
   _check(n_ranks, n_microbatches)
+  _check_ranks("dualpipev", n_ranks, "stages r and 2 * n_ranks - 1 - r on rank r")
   if n_microbatches < 2 * n_ranks:
     raise ValueError(f"dualpipev needs n_microbatches >= 2 * n_ranks = {2 * n_ranks}, got "
                      f"{n_microbatches}; use more microbatches or fewer ranks")

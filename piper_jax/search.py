@@ -18,7 +18,8 @@ import optax
 
 from piper_jax.compile import compile as compile_step
 from piper_jax.costs import (CostModel, Estimate, MeasuredModel, MemoryEstimate, estimate,
-                             estimate_plan, measure_model)
+                             estimate_plan, format_bytes, format_time as _fmt_time,
+                             measure_model)
 from piper_jax.ir.directives import (Directive, Order, order, place, replicate, shard,
                                      shard_tensor, split)
 from piper_jax.ir.pipeline import make_plan
@@ -63,6 +64,9 @@ class Candidate(Estimate):
   def peak_memory(self) -> int:
     return self.memory.total
 
+  def __str__(self) -> str:
+    return f"{self.name}, {_microbatches(self.n_microbatches)}\n{super().__str__()}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Rejected:
@@ -86,12 +90,16 @@ class SearchResult:
   top: int = 10
 
   def table(self, top: int | None = None) -> str:
-    """A markdown table of the `top` fastest candidates (default: the search's `top`)."""
-    rows = ["| strategy | microbatches | simulated step | bubble | peak memory |",
+    """A Markdown table of the `top` fastest candidates (default: the search's `top`),
+    after a line that says how many of those that fit it shows."""
+    shown = self.candidates[:self.top if top is None else top]
+    rows = [_shown(len(shown), len(self.candidates)), "",
+            "| strategy | microbatches | simulated step | bubble | peak memory |",
             "| --- | --- | --- | --- | --- |"]
-    for c in self.candidates[:self.top if top is None else top]:
-      rows.append(f"| {c.name} | {c.n_microbatches} | {_fmt_time(c.step_time)} | "
-                  f"{100 * c.bubble_fraction:.1f}% | {format_bytes(c.peak_memory)} |")
+    for c in shown:
+      rows.append(f"| {_cell(c.name)} | {c.n_microbatches} | "
+                  f"{_fmt_time(c.step_time)} | {100 * c.bubble_fraction:.1f}% | "
+                  f"{format_bytes(c.peak_memory)} |")
     return "\n".join(rows)
 
   def timelines(self, folder: str, top: int = 3, fmt: str = "svg") -> list[str]:
@@ -140,23 +148,22 @@ class SearchResult:
   def __str__(self) -> str:
     return (f"{len(self.candidates)} strategies fit {format_bytes(self.memory_per_device)} per "
             f"device ({len(self.rejected)} rejected); best: {self.best.name}, "
-            f"{self.best.n_microbatches} microbatches\n{self.table()}")
+            f"{_microbatches(self.best.n_microbatches)}\n{self.table()}")
 
 
-def format_bytes(n: float) -> str:
-  """Bytes in the largest binary unit that keeps one digit before the point."""
-  for unit, size in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-    if abs(n) >= size:
-      return f"{n / size:.1f} {unit}"
-  return f"{int(n)} B"
+def _microbatches(m: int) -> str:
+  return f"{m} microbatch" + ("" if m == 1 else "es")
 
 
-def _fmt_time(s: float) -> str:
-  if s >= 1:
-    return f"{s:.3g} s"
-  if s >= 1e-3:
-    return f"{s * 1e3:.3g} ms"
-  return f"{s * 1e6:.3g} us"
+def _cell(text: str) -> str:
+  """`text` in a Markdown table cell: grouped pipelines' names hold "|", which ends one."""
+  return text.replace("|", r"\|")
+
+
+def _shown(n: int, total: int) -> str:
+  if n >= total:
+    return f"all {total} strategies that fit, fastest first:"
+  return f"the {n} fastest of {total} strategies that fit ({total - n} more in `candidates`):"
 
 
 # -- candidate directives ---------------------------------------------------------
@@ -308,7 +315,7 @@ def _layouts(model: MeasuredModel, n_devices: int, schedules: Sequence[str],
       for v in virtual_stages:
         if v >= 2 and len(pp) % v == 0 and len(pp) // v >= 2:
           shapes.append((len(pp) // v, tuple((p,) for p in pp), v))
-    elif schedule == "dualpipev" and len(pp) % 2 == 0 and len(pp) >= 2:
+    elif schedule == "dualpipev" and len(pp) % 2 == 0 and len(pp) >= 4:  # 2 ranks or more
       shapes.append((len(pp) // 2, tuple((p,) for p in pp), 2))
     for n_ranks, stages, v in shapes:
       if n_devices % n_ranks:
@@ -362,7 +369,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     rest with each ZeRO stage: "gpipe", "1f1b" and "zb" on 2 .. n_regions ranks, where
     fewer ranks than regions take consecutive regions each (`group_regions`; cut to
     balance the regions' FLOPs); "interleaved" with `n_regions / v` ranks for each v of
-    `virtual_stages`; "dualpipev" with `n_regions / 2` ranks. A model's regions are its
+    `virtual_stages`; "dualpipev" with `n_regions / 2` ranks (both on 2 ranks or more:
+    never one rank holding every stage). A model's regions are its
     finest stages: more stages need more `PP` regions in the model.
   * microbatch counts that divide the per-replica batch: `microbatches`, or powers of
     two from the pipeline ranks (1 without a pipeline; 2 x ranks for DualPipeV) up to
@@ -418,7 +426,7 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     schedules: "dp" and/or pipeline schedules to try (default all).
     zero_stages: ZeRO stages to try where there are data-parallel replicas.
     microbatches: microbatch counts to try (default: powers of two, above).
-    top: rows of `SearchResult.table()`.
+    top: rows of `SearchResult.table()` (the fastest; its first line says how many fit).
     costs: a `CostModel` (default `CostModel()`).
     virtual_stages: stages per rank to try for "interleaved".
     group_regions: also try pipelines with fewer ranks than PP regions.

@@ -33,7 +33,8 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
   Pipeline rank k of DP replica r runs on device r * n_ranks + k. Stage s sits on
   rank s for "gpipe", "1f1b" and "zb"; on rank s % n_ranks with
   n_ranks = n_stages / n_virtual for "interleaved"; on rank min(s, 2n-1-s) with
-  n = n_stages / 2 for "dualpipev".
+  n = n_stages / 2 for "dualpipev". Both need two ranks or more: n_stages >=
+  2 * n_virtual for "interleaved", n_stages >= 4 for "dualpipev".
 
   Args:
     n_stages: the number of PP regions of the model (stage s = region PP=s).
@@ -41,7 +42,7 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
     schedule: "gpipe", "1f1b", "interleaved", "zb" (ZB-H1) or "dualpipev".
     dp: data-parallel replicas of every stage.
     zero: ZeRO stage of the DP axis.
-    n_virtual: stages per rank for "interleaved".
+    n_virtual: stages per rank for "interleaved" (2 or more).
     reduce_dtype: dtype of the DP gradient reductions (see `replicate`).
   """
   if schedule not in _SCHEDULES:
@@ -49,15 +50,12 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
   if dp < 1 or n_stages < 1:
     raise ValueError(f"n_stages and dp must be >= 1, got {n_stages} and {dp}")
   if schedule == "interleaved":
-    if n_stages % n_virtual:
-      raise ValueError(f"interleaved needs n_stages ({n_stages}) divisible by n_virtual "
-                       f"({n_virtual})")
+    _check_interleaved(n_stages, n_virtual)
     n_ranks = n_stages // n_virtual
     rank_of = lambda s: s % n_ranks
     orders = schedules.interleaved_1f1b(n_ranks, n_virtual, n_microbatches)
   elif schedule == "dualpipev":
-    if n_stages % 2:
-      raise ValueError(f"dualpipev needs an even n_stages (two per rank), got {n_stages}")
+    _check_dualpipev(n_stages)
     n_ranks = n_stages // 2
     rank_of = lambda s: min(s, n_stages - 1 - s)
     orders = schedules.dualpipev(n_ranks, n_microbatches)
@@ -74,6 +72,29 @@ def pipeline(n_stages: int, n_microbatches: int, schedule: str = "1f1b", dp: int
     else:
       out.append(replicate({"PP": s}, devices, zero=zero, reduce_dtype=reduce_dtype))
   return out + orders
+
+
+def _check_interleaved(n_stages: int, n_virtual: int) -> None:
+  """Interleaved needs n_virtual stages on each of two or more ranks."""
+  if isinstance(n_virtual, bool) or not isinstance(n_virtual, int) or n_virtual < 2:
+    raise ValueError(f"interleaved needs n_virtual >= 2 stages per rank, got {n_virtual!r}; "
+                     f"use schedule='1f1b' for one stage per rank")
+  if n_stages % n_virtual:
+    raise ValueError(f"interleaved needs n_stages ({n_stages}) divisible by n_virtual "
+                     f"({n_virtual})")
+  if n_stages < 2 * n_virtual:
+    raise ValueError(f"interleaved puts stages r, r + n_ranks, ... on rank r: n_stages="
+                     f"{n_stages} with n_virtual={n_virtual} makes one rank; use n_stages >= "
+                     f"{2 * n_virtual}, or schedule='1f1b' for {n_stages} stages")
+
+
+def _check_dualpipev(n_stages: int) -> None:
+  """DualPipeV needs two stages on each of two or more ranks."""
+  if n_stages % 2:
+    raise ValueError(f"dualpipev needs an even n_stages (two per rank), got {n_stages}")
+  if n_stages < 4:
+    raise ValueError(f"dualpipev puts stages r and 2n-1-r on rank r: n_stages={n_stages} makes "
+                     f"one rank; use n_stages >= 4, or schedule='1f1b' for {n_stages} stages")
 
 
 # The planner that chooses among these strategies (it builds them with the functions above).

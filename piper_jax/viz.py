@@ -6,9 +6,11 @@ import io
 import os
 from typing import Mapping
 
-__all__ = ["timeline"]
+__all__ = ["timeline", "figure"]
 
 COLORS = {"F": "#4C8BF5", "B": "#F2A03D", "BI": "#F2A03D", "BW": "#9B6ADE", "comm": "#9AA0A6"}
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0}
+_LEGEND_IN = 0.4  # inches of figure height below the axes that hold the legend
 
 
 def timeline(plan, path: str | os.PathLike, costs: Mapping[str, float] | None = None,
@@ -23,23 +25,50 @@ def timeline(plan, path: str | os.PathLike, costs: Mapping[str, float] | None = 
   Returns:
     The path written.
   """
-  import matplotlib
-  matplotlib.use("Agg", force=False)
   import matplotlib.pyplot as plt
-  from matplotlib.patches import Patch
 
   path = os.fspath(path)
   ext = os.path.splitext(path)[1].lower()
   if ext not in (".svg", ".png", ".html"):
     raise ValueError(f"timeline writes .svg, .png or .html, got {path!r}")
-  report = plan.simulate(costs or {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0})
+  fig = figure(plan, costs, ticks)
+  try:
+    _save(fig, path, ext)
+  finally:
+    plt.close(fig)
+  return path
+
+
+def figure(plan, costs: Mapping[str, float] | None = None, ticks: bool = False):
+  """The chart `timeline` writes, as a matplotlib Figure (close it when done)."""
+  import matplotlib
+  matplotlib.use("Agg", force=False)
+  import matplotlib.pyplot as plt
+
+  report = plan.simulate(costs or DEFAULT_COSTS)
   starts, ends = (report.tick_start, report.tick_end) if ticks else (report.start, report.end)
   span = report.tick_makespan if ticks else report.makespan
   n = plan.n_ranks
-  fig, ax = plt.subplots(figsize=(max(6.0, span * 0.35), 0.6 * n + 1.2))
+  height = 0.6 * n + 1.5 + _LEGEND_IN
+  fig, ax = plt.subplots(figsize=(max(6.0, span * 0.35), height))
   if ticks:
     for x in sorted({starts[ts[0].label] for tick in plan.ticks for ts in tick if ts})[1:]:
       ax.axvline(x, color="#BBBBBB", linestyle=":", linewidth=0.8)
+  _draw_tasks(ax, plan, starts, ends)
+  ax.set_yticks(range(n))
+  ax.set_yticklabels([f"rank {r} {list(plan.mesh.groups[r])}" for r in reversed(range(n))])
+  ax.set_xlim(0, span)
+  ax.set_title(f"{len(plan.tasks)} tasks of {plan.n_microbatches} microbatch(es) on {n} "
+               f"pipeline rank(s)", fontsize=9)
+  ax.set_xlabel(_time_label(plan, report, span, costs, ticks))
+  _legend(fig, plan)
+  # The strip below the axes is the legend's, so that it covers no task.
+  fig.tight_layout(rect=(0, _LEGEND_IN / height, 1, 1))
+  return fig
+
+
+def _draw_tasks(ax, plan, starts, ends) -> None:
+  n = plan.n_ranks
   for task in plan.tasks.values():
     start, end = starts[task.label], ends[task.label]
     y = n - 1 - task.rank
@@ -47,22 +76,31 @@ def timeline(plan, path: str | os.PathLike, costs: Mapping[str, float] | None = 
                    facecolors=COLORS[task.pass_.value], edgecolors="white", linewidth=0.8)
     text = f"{task.mb}" if len(plan.rank_regions(task.rank)) == 1 else f"{task.region}:{task.mb}"
     ax.text((start + end) / 2, y, text, ha="center", va="center", fontsize=7, color="white")
-  ax.set_yticks(range(n))
-  ax.set_yticklabels([f"rank {r} {list(plan.mesh.groups[r])}" for r in reversed(range(n))])
-  ax.set_xlim(0, span)
-  ax.set_xlabel(f"time, tick by tick ({len(plan.ticks)} ticks, {span:g})" if ticks else
-                f"time (makespan {span:g}, bubble {100 * report.bubble_fraction:.1f}%)")
+
+
+def _time_label(plan, report, span: float, costs, ticks: bool) -> str:
+  """The x axis's label: what the makespan counts and in which unit."""
+  unit = ("time units (one F = 1)" if costs is None else
+          "time units (the largest region's F = 1)" if costs == "flops" else
+          "in the units of the costs given")
+  if ticks:
+    return f"time, tick by tick: {len(plan.ticks)} ticks, makespan {span:g} {unit}"
+  return f"time: makespan {span:g} {unit}, bubble {100 * report.bubble_fraction:.1f}% idle"
+
+
+def _legend(fig, plan) -> None:
+  from matplotlib.patches import Patch
   passes = sorted({t.pass_.value for t in plan.tasks.values()}, key="F B BI BW".split().index)
-  ax.legend(handles=[Patch(color=COLORS[p], label=p) for p in passes], loc="upper right",
-            fontsize=7, ncol=len(passes))
-  fig.tight_layout()
-  if ext == ".html":
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg")
-    with open(path, "w") as f:
-      f.write("<!doctype html><html><head><meta charset='utf-8'><title>piper-jax plan</title>"
-              "</head><body>\n" + buf.getvalue() + "\n</body></html>\n")
-  else:
+  fig.legend(handles=[Patch(color=COLORS[p], label=p) for p in passes], loc="lower left",
+             fontsize=7, ncol=len(passes), frameon=False)
+
+
+def _save(fig, path: str, ext: str) -> None:
+  if ext != ".html":
     fig.savefig(path)
-  plt.close(fig)
-  return path
+    return
+  buf = io.StringIO()
+  fig.savefig(buf, format="svg")
+  with open(path, "w") as f:
+    f.write("<!doctype html><html><head><meta charset='utf-8'><title>piper-jax plan</title>"
+            "</head><body>\n" + buf.getvalue() + "\n</body></html>\n")

@@ -127,6 +127,19 @@ def test_dualpipev_needs_enough_microbatches():
     pj.schedules.dualpipev(2, 3)
 
 
+def test_schedules_refuse_degenerate_arguments():
+  with pytest.raises(ValueError, match=r"dualpipev needs n_ranks >= 2 .*, got 1; use n_ranks >= 2"):
+    pj.schedules.dualpipev(1, 4)
+  with pytest.raises(ValueError, match=r"interleaved_1f1b needs n_ranks >= 2 .*, got 1"):
+    pj.schedules.interleaved_1f1b(1, 2, 4)
+  with pytest.raises(ValueError, match=r"n_virtual >= 2 stages per rank, got 1; use one_f_one_b"):
+    pj.schedules.interleaved_1f1b(2, 1, 4)
+  with pytest.raises(ValueError, match=r"stage must be an int in 0..1 \(n_stages=2\), got 2"):
+    pj.schedules.stage_sequence("1f1b", 2, 2, 4)
+  with pytest.raises(ValueError, match="n_microbatches must be an int >= 1, got 0"):
+    pj.schedules.stage_sequence("gpipe", 0, 2, 0)
+
+
 def _sim(n_stages, m, schedule, costs, **kw):
   plan = ir.make_plan(chain_model(n_stages, batch=64), pj.strategies.pipeline(n_stages, m, schedule, **kw),
                       n_devices=64)

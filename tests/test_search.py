@@ -1,6 +1,7 @@
 """`pj.strategies.search`: only strategies that fit, ranked by the simulator, and the
 chosen one trains to one device's numbers."""
 
+import dataclasses
 import re
 
 import jax
@@ -69,9 +70,71 @@ def test_only_strategies_that_fit():
     assert r.peak_memory > bound
   assert len(tight.candidates) + len(tight.rejected) == len(free.candidates)
   table = tight.table(top=3).splitlines()
-  assert table[0].startswith("| strategy | microbatches | simulated step") and len(table) == 5
+  assert table[0] == (f"the 3 fastest of {len(tight.candidates)} strategies that fit "
+                      f"({len(tight.candidates) - 3} more in `candidates`):")
+  assert table[2].startswith("| strategy | microbatches | simulated step") and len(table) == 7
   times = [c.step_time for c in tight.candidates]
   assert times == sorted(times)
+
+
+def _cells(row):
+  """A Markdown table row's cells: split at "|" that no backslash escapes."""
+  return [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+
+
+@pytest.mark.timeout(60)
+def test_table_is_markdown_and_says_how_many_it_shows():
+  # Grouped pipelines' names hold "|" ("1f1b pp2 [0-1 | 2-3]"): escaped in their cells.
+  loss, params, batch = _gpt(4)
+  result = pj.strategies.search(loss, optax.sgd(0.1), params, batch, 4, 1 << 40,
+                                schedules=("1f1b",), zero_stages=(0,))
+  n = len(result.candidates)
+  lines = result.table(top=n).splitlines()
+  assert lines[0] == f"all {n} strategies that fit, fastest first:" and lines[1] == ""
+  rows = [_cells(r) for r in lines[2:]]
+  assert all(len(r) == 5 for r in rows) and len(rows) == n + 2
+  names = [r[0].replace("\\|", "|") for r in rows[2:]]
+  assert names == [c.name for c in result.candidates]
+  assert "1f1b pp2 [0-1 | 2-3] x dp2 zero0" in names
+  top1 = str(dataclasses.replace(result, top=1))
+  assert f"the 1 fastest of {n} strategies that fit ({n - 1} more in `candidates`):" in top1
+
+
+@pytest.mark.timeout(60)
+def test_no_pipeline_on_one_rank():
+  # Two regions make one rank of DualPipeV (stages r and 2n-1-r) or of interleaved
+  # (2 virtual stages): neither is proposed, planned or rejected.
+  loss, params, batch = _gpt(2)
+  result = pj.strategies.search(loss, optax.sgd(0.1), params, batch, 8, 1 << 40,
+                                schedules=("1f1b", "interleaved", "dualpipev"))
+  everything = list(result.candidates) + list(result.rejected)
+  assert {c.name.split()[0] for c in everything} == {"1f1b"}
+  assert all(c.n_ranks == 2 for c in result.candidates)
+  with pytest.raises(ValueError, match="no strategy of"):
+    pj.strategies.search(loss, optax.sgd(0.1), params, batch, 8, 1 << 40,
+                         schedules=("interleaved", "dualpipev"))
+
+
+@pytest.mark.timeout(60)
+def test_estimate_prints_with_units():
+  loss, params, batch = _gpt(2)
+  tx = optax.adamw(1e-3)
+  est = pj.strategies.estimate(loss, tx, params, batch, pj.strategies.pipeline(2, 4, "1f1b"), 2)
+  text = str(est).splitlines()
+  time_ = r"[\d.e+-]+ (s|ms|us)"
+  assert re.fullmatch(rf"step time: {time_} per step \(simulated\)", text[0])
+  assert re.fullmatch(rf"  compute: {time_} \(bubble: [\d.]+% of it idle\)", text[1])
+  assert re.fullmatch(rf"  communication: {time_} \(added to the step\)", text[2])
+  assert re.fullmatch(rf"  optimizer update: {time_}", text[3])
+  assert text[4] == f"peak memory: {format_bytes(est.memory.total)} per device (the busiest one)"
+  assert f"  parameters: {format_bytes(est.memory.params)}" in text
+  # Without a pipeline the data-parallel traffic overlaps the compute; the peak holds the
+  # larger of gradients and activations.
+  dp = str(pj.strategies.estimate(loss, tx, params, batch, pj.strategies.data_parallel(2), 2))
+  assert "hidden behind compute" in dp and "counting the larger of gradients" in dp
+  best = pj.strategies.search(loss, tx, params, batch, 2, 1 << 40, schedules=("dp",)).best
+  assert str(best).startswith(f"{best.name}, {best.n_microbatches} microbatch")
+  assert "step time: " in str(best)
 
 
 @pytest.mark.timeout(60)
@@ -165,7 +228,6 @@ def test_compile_best_checks_xla_memory():
   # The estimates leave XLA's temporaries out; compile_best reads the compiled program's
   # own memory analysis and refuses a candidate over the bound, naming its bytes (the
   # chosen one trains in test_train_script_auto).
-  import dataclasses
   loss, params, batch = _gpt(2)
   tx = optax.sgd(0.1)
   result = pj.strategies.search(loss, tx, params, batch, 2, 1 << 30, schedules=("1f1b",),
@@ -234,8 +296,6 @@ def test_the_optimizers_update_is_costed_by_the_bytes_each_device_updates():
 def test_a_pipelines_loss_rank_holds_the_logits_cotangent_in_its_backward():
   # The loss's backward sums the logits' cotangent in fp32 and casts it to the dtype the
   # logits were made in: both live beside the recomputed residuals (XLA's dumps on GPUs).
-  import dataclasses
-
   import jax.numpy as jnp
 
   from piper_jax.costs import estimate_plan, measure_model

@@ -49,6 +49,21 @@ def test_pipeline(schedule, stages):
   assert_same_run(loss, params, pj.strategies.pipeline(stages, 4, schedule=schedule), n_steps=3)
 
 
+def test_pipeline_refuses_one_rank_of_two_stages():
+  # DualPipeV and interleaved hold two stages or more on each rank: two stages would
+  # make a one-rank "pipeline" of all the model.
+  with pytest.raises(ValueError, match=re.escape(
+      "dualpipev puts stages r and 2n-1-r on rank r: n_stages=2 makes one rank; use "
+      "n_stages >= 4, or schedule='1f1b' for 2 stages")):
+    pj.strategies.pipeline(2, 4, "dualpipev")
+  with pytest.raises(ValueError, match=re.escape(
+      "n_stages=2 with n_virtual=2 makes one rank; use n_stages >= 4, or schedule='1f1b'")):
+    pj.strategies.pipeline(2, 4, "interleaved")
+  with pytest.raises(ValueError, match="interleaved needs n_virtual >= 2 stages per rank, got 1"):
+    pj.strategies.pipeline(4, 4, "interleaved", n_virtual=1)
+  assert len(pj.strategies.pipeline(4, 4, "dualpipev")) == 1 + 4 + 2  # split, places, orders
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_pipeline_2_stages_x_dp_4(zero):
   loss, params = _mlp(2)
