@@ -512,6 +512,9 @@ def run(args) -> dict:
     step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
                       devices=devices, roll=args.roll, remat=args.remat)
   print(step.describe())  # the plan, options, and the collectives the step runs
+  started = time.perf_counter()
+  step.compile()  # XLA compiles here, so that the first step's time is a step's
+  print(f"compiled in {time.perf_counter() - started:.1f} s")
   if step.rolled:
     w = step.rolled
     print(f"ticks {w.start}-{w.stop - 1} run as {w.iters} iterations of {w.length} ticks")
