@@ -16,13 +16,13 @@ class LoweringOptions:
     tick_loop: lower the plan as one loop over all its ticks, the plan as data
       (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
       schedule or the number of microbatches; `roll` and gradient buckets do not apply.
-      None (the default) chooses the loop for pipelines whose tasks run no collective
-      (no expert or tensor parallelism) and
-      whose gradients are not reduced in buckets (`replicate`'s bucket_mb under
-      ZeRO-0), and the per-tick program otherwise: a task's collectives sit inside the
-      loop's switch, which a GPU then runs from the host, several times slower than per
-      tick, and the loop reduces gradients once, after its last tick. `roll=False` or
-      `max_carry_depth` > 1, which only the per-tick program reads, choose it too.
+      None (the default) chooses the loop for plans with microbatches or pipeline ranks
+      (gradient accumulation and stages sharing a device too) whose gradients are not
+      reduced in buckets (`replicate`'s bucket_mb under ZeRO-0), since the loop reduces
+      gradients once, after its last tick; expert and tensor parallel tasks run their
+      collectives inside the loop's switch, as the per-tick program does inside its own.
+      `roll=False` or `max_carry_depth` > 1, which only the per-tick program reads,
+      choose the per-tick program.
     roll: run the schedule's steady state (ticks that repeat with later microbatches)
       as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
       longer compile, for a slightly lower peak).

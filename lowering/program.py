@@ -98,18 +98,17 @@ PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFER
 
 def lowers_as_loop(plan: Plan, options: LoweringOptions) -> bool:
   """Whether `plan` is lowered as one loop over its ticks (`options.tick_loop`; None: for
-  plans whose tasks run no collective of their own and whose gradients are not reduced in
-  buckets as they become final, which the loop does not do: pipelines, gradient
-  accumulation and stages sharing a device alike)."""
+  plans with microbatches or pipeline ranks whose gradients are not reduced in buckets as
+  they become final, which the loop does not do: pipelines, gradient accumulation and
+  stages sharing a device alike, expert and tensor parallel tasks included)."""
   if options.tick_loop is not None:
     return options.tick_loop
   if not options.roll or options.max_carry_depth > 1:
     return False  # asked for the per-tick program's own unrolling or deeper carries
   mesh = plan.mesh
   # (A pipeline's ZeRO-3 gathers its weights as the step starts: `gathers_at_start`.)
-  in_tasks = mesh.size("ep") > 1 or mesh.size("tp") > 1
   buckets = mesh.zero == 0 and bool(plan.bucket_mb) and mesh.n_data > 1
-  return (mesh.n_pp > 1 or plan.n_microbatches > 1) and not in_tasks and not buckets
+  return (mesh.n_pp > 1 or plan.n_microbatches > 1) and not buckets
 
 
 class Program:

@@ -380,7 +380,8 @@ class TrainStep:
   @property
   def tick_loop(self) -> bool:
     """Whether the step runs as one loop over all its ticks (`LoweringOptions.tick_loop`;
-    by default for pipelines whose tasks run no collective) rather than per tick."""
+    by default for every plan with microbatches or pipeline ranks whose gradients are not
+    reduced in buckets) rather than per tick."""
     return self._program.tick_loop is not None
 
   @property

@@ -179,3 +179,35 @@ def test_a_device_short_of_memory_is_named_before_the_step():
                       {"bytes_limit": 10 * gib, "bytes_in_use": 6 * gib}])
   assert said == ("the step needs 5.0 GiB per device beyond its state, but device 1 has "
                   "4.0 GiB free of its allocator's 10.0 GiB (6.0 GiB in use)")
+
+
+def _plain_accumulation_bytes(loss_fn, tx, params, batch, k):
+  """XLA's count of plain JAX's accumulation: value_and_grad over `lax.scan` of k slices."""
+
+  def step(p, o, b):
+    mbs = jax.tree_util.tree_map(lambda x: x.reshape(k, -1, *x.shape[1:]), b)
+    body = lambda t, mb: (jax.tree_util.tree_map(jnp.add, t, jax.value_and_grad(loss_fn)(p, mb)), None)
+    (loss, g), _ = jax.lax.scan(body, (jnp.zeros(()), jax.tree_util.tree_map(jnp.zeros_like, p)), mbs)
+    updates, o = tx.update(jax.tree_util.tree_map(lambda x: x / k, g), o, p)
+    return optax.apply_updates(p, updates), o, loss / k
+
+  m = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), batch).compile()
+  m = m.memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def test_accumulation_holds_one_microbatch_like_plain_jax():
+  # Wide activations, so that they, not the parameters, take the memory.
+  from examples import gpt
+  config = gpt.get_config("tiny", n_stages=2)
+  model = gpt.GPT(config)
+  loss_fn, tx = gpt.loss_fn(model), optax.adamw(1e-3)
+  params = gpt.init_params(model, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 32)
+  piper = {}
+  for k in (2, 16):
+    step = pj.compile(loss_fn, tx, [pj.split(k)], params, batch)
+    assert step.tick_loop
+    piper[k] = step.memory().total
+  assert piper[16] < 0.5 * piper[2]  # splitting the batch saves memory
+  assert piper[16] <= 1.25 * _plain_accumulation_bytes(loss_fn, tx, params, batch, 16)

@@ -103,11 +103,11 @@ def test_a_pipelines_zero_stages_are_one_program_with_sharded_masters():
 
 @pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, True),
                                            (2, 3, True)])
-def test_pipelines_run_as_one_loop_unless_their_tasks_run_collectives(dp, zero, loops):
+def test_pipelines_run_as_one_loop(dp, zero, loops):
   # By default a pipeline is one loop over its ticks. At any ZeRO stage its tasks run
   # no collective of their own: gradients are reduce-scattered once after the loop, and
   # ZeRO-3 gathers the weights as the step starts (expert and tensor parallelism's
-  # tasks do, and stay per tick: tests/test_parallel.py).
+  # tasks run theirs inside the loop: tests/test_parallel.py).
   step = _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp)
   assert step.tick_loop is loops and step.options.tick_loop is None
   assert ("one loop over all ticks" in step.describe()) is loops
@@ -120,6 +120,13 @@ def test_pipelines_run_as_one_loop_unless_their_tasks_run_collectives(dp, zero, 
         step.describe())
   assert _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp,
                 pj.LoweringOptions(tick_loop=not loops)).tick_loop is not loops
+
+
+def test_accumulation_and_stages_sharing_a_device_run_as_one_loop():
+  assert _built([pj.split(4)], 1).tick_loop
+  assert _built([pj.split(4)] + pj.strategies.data_parallel(2, zero=1), 2).tick_loop
+  shared = [pj.split(4), pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [0])]
+  assert _built(shared + pj.schedules.one_f_one_b(2, 4), 1).tick_loop
 
 
 def test_bucketed_gradients_and_data_parallel_alone_stay_per_tick():
@@ -137,3 +144,27 @@ def test_options_of_the_per_tick_program_choose_it():
   assert _built(directives, 1, pj.LoweringOptions(roll=False)).rolled is None
   assert not _built(directives, 1, pj.LoweringOptions(roll=False)).tick_loop
   assert not _built(directives, 1, pj.LoweringOptions(max_carry_depth=2)).tick_loop
+
+
+@pytest.mark.parametrize("plan", ["accumulation", "expert_parallel_pipeline"])
+def test_accumulation_and_expert_pipelines_do_not_grow_with_microbatches(plan, batches_of):
+  # The loop holds each region's passes once whatever the microbatch count, for gradient
+  # accumulation on one device and for a pipeline whose tasks run all-to-alls.
+  from test_parallel import MOE_TX, _moe
+  config, loss, params = _moe(2)
+  batches_of(config)
+  from examples import gpt
+  sizes = []
+  for n_mb in (4, 16):
+    if plan == "accumulation":
+      directives, devices = [pj.split(n_mb)], jax.devices()[:1]
+    else:
+      directives = pj.strategies.pipeline(2, n_mb, "1f1b", dp=2, zero=1)
+      directives, devices = directives + [pj.shard({"EP": "*"}, [0, 2, 1, 3])], jax.devices()[:4]
+    batch = gpt.random_batch(config, jax.random.PRNGKey(1), 4 * n_mb)
+    step = pj.compile(loss, MOE_TX, directives, params, batch, devices=devices)
+    assert step.tick_loop
+    text = step.lower(step.init(params), batch).as_text()
+    sizes.append((len(re.findall(r"call @region_(?:forward|backward)", text)), text.count("\n")))
+  (calls4, size4), (calls16, size16) = sizes
+  assert calls4 == calls16 and abs(size16 - size4) < 0.05 * size4, sizes
