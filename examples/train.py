@@ -11,6 +11,15 @@ examples/qwen3.py (qwen3-tiny, qwen3-1.7b, qwen3-8b, qwen3-moe-tiny,
 qwen3-30b-a3b-4gpu); a Qwen3-MoE preset's experts are split over each stage's
 data-parallel devices with `--ep`.
 
+Real Qwen3 weights: `--init-from DIR` starts from a Hugging Face Qwen3 / Qwen3-MoE
+checkpoint folder (its config.json sets the model), `--tokenizer DIR/tokenizer.json`
+tokenizes `--data` (documents packed into sequences, its end-of-text token between
+them), and `--save-hf OUT` writes the trained weights as a checkpoint Hugging Face
+loads (examples/hf.py):
+
+  python examples/train.py --init-from Qwen3-1.7B --tokenizer Qwen3-1.7B/tokenizer.json \
+      --data my_texts/ --seq-len 2048 --strategy zero1 --save-hf trained
+
 Strategies: dp, zero1, zero2, zero3 (data parallel over all devices, ZeRO level
 K) and pp-gpipe, pp-1f1b, pp-zb, pp-interleaved, pp-dualpipev (`--stages` pipeline
 stages, two per device for interleaved and DualPipeV, `--microbatches`, times `--dp`
@@ -37,21 +46,25 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import piper_jax as pj
 
 try:
-  from examples import gpt, moe, qwen3
+  from examples import gpt, hf, moe, qwen3
 except ImportError:
   import gpt  # run as a script: examples/ is on sys.path
+  import hf
   import moe
   import qwen3
 
@@ -80,6 +93,21 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "
 
 def _preset(name: str) -> dict:
   return {**gpt.PRESETS, **qwen3.PRESETS}[name]
+
+
+def _model_name(args) -> str | None:
+  """The --model preset, `tiny` when omitted; None: the --init-from checkpoint's own."""
+  return args.model or (None if args.init_from else "tiny")
+
+
+def _n_experts(args) -> int:
+  """Routed experts per layer of the model the flags describe (0: dense)."""
+  if args.experts:
+    return args.experts
+  if args.init_from and os.path.isfile(os.path.join(args.init_from, "config.json")):
+    fields = hf.read_config(args.init_from)
+    return fields.get("num_experts", fields.get("num_local_experts", 0))
+  return _preset(_model_name(args) or "tiny").get("n_experts", 0)
 
 
 class UsageError(ValueError):
@@ -120,10 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
                  help="ZeRO level (pp-* strategies)")
   p.add_argument("--steps", type=int, default=10, help="training steps")
   p.add_argument("--batch", type=int, default=16, help="global batch size")
-  p.add_argument("--model", choices=tuple(gpt.PRESETS) + tuple(qwen3.PRESETS), default="tiny",
-                 help="model preset")
+  p.add_argument("--model", choices=tuple(gpt.PRESETS) + tuple(qwen3.PRESETS), default=None,
+                 help="model preset (default: tiny; with --init-from the checkpoint's "
+                      "config.json, which a qwen3 preset given must match)")
+  p.add_argument("--init-from", metavar="DIR", default=None,
+                 help="start from this Hugging Face Qwen3 or Qwen3-MoE checkpoint folder "
+                      "(config.json and .safetensors; default: random parameters)")
+  p.add_argument("--save-hf", metavar="DIR", default=None,
+                 help="at the end, write the trained parameters into DIR as a Hugging Face "
+                      "checkpoint (qwen3 models; default: none written)")
+  p.add_argument("--save-hf-dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="dtype of the tensors --save-hf writes")
   p.add_argument("--seq-len", type=int, default=None,
-                 help="override the preset's sequence length (default: the preset's)")
+                 help="override the preset's sequence length (default: the preset's; with "
+                      "--init-from alone, 4096 or the checkpoint's max_position_embeddings "
+                      "if smaller)")
   p.add_argument("--experts", type=int, default=0,
                  help="GPT presets: 0: dense; N: MoE GPT with N experts, top-2, in every "
                       "block (examples/moe.py)")
@@ -146,9 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=1e-3, help="adamw's learning rate")
   p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data")
   p.add_argument("--data", default="stdlib",
-                 help="a text file or folder to train a byte-level model on; 'stdlib' "
-                      "(default) is the Python standard library's source; 'synthetic' a "
-                      "learnable random walk")
+                 help="a text file or folder to train on (bytes, or --tokenizer's tokens); "
+                      "'stdlib' (default) is the Python standard library's source; "
+                      "'synthetic' a learnable random walk")
+  p.add_argument("--tokenizer", metavar="TOKENIZER.json", default=None,
+                 help="a Hugging Face tokenizers file: --data's files become documents of "
+                      "its tokens, packed with the end-of-text token between them (default: "
+                      "bytes)")
+  p.add_argument("--eos", metavar="TOKEN", default=None,
+                 help="--tokenizer's end-of-text token (default: eos_token of the "
+                      "tokenizer_config.json beside it, else one of " + ", ".join(EOS_TOKENS)
+                      + ")")
   p.add_argument("--metrics", default=None,
                  help="append per-step metrics to this JSONL file (default: none written)")
   p.add_argument("--ckpt-dir", default=None,
@@ -185,10 +232,10 @@ def build_strategy(args, n_devices: int):
     return None, n_devices, args.stages
   directives, n_used, n_stages = _base_strategy(args, n_devices)
   if args.ep:
-    n_experts = args.experts or _preset(args.model).get("n_experts", 0)
+    n_experts = _n_experts(args)
     if not n_experts:
       raise UsageError("--ep splits the experts of a MoE model; add --experts N or take a "
-                       "qwen3-moe preset")
+                       "qwen3-moe preset or checkpoint")
     if n_experts % (args.dp if args.strategy.startswith("pp-") else n_used):
       raise UsageError(f"{n_experts} experts must divide over the data-parallel devices "
                        f"of a stage for --ep")
@@ -288,28 +335,39 @@ class CheckFailed(RuntimeError):
   """`--check` found the strategy's numbers differ from the plain computation's."""
 
 
-def load_corpus(spec: str, max_bytes: int = 8 << 20) -> np.ndarray:
-  """Bytes of a text file, of every .py/.txt/.md file under a folder, or of the stdlib."""
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")  # the files of a --data folder that are read
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")  # common end-of-text names
+
+
+def read_texts(spec: str, max_bytes: int = 8 << 20) -> list[bytes]:
+  """The contents of a text file, of every .py/.txt/.md/.rst file under a folder (in
+  sorted order), or of the stdlib; `max_bytes` in all, the last one cut."""
   if spec == "stdlib":
     spec = os.path.dirname(os.__file__)
   if os.path.isfile(spec):
-    with open(spec, "rb") as f:
-      data = f.read(max_bytes)
+    paths = [spec]
   elif os.path.isdir(spec):
-    chunks, total = [], 0
+    paths = []
     for root, dirs, files in os.walk(spec):
       dirs.sort()
-      for name in sorted(files):
-        if name.endswith((".py", ".txt", ".md", ".rst")) and total < max_bytes:
-          with open(os.path.join(root, name), "rb") as f:
-            chunks.append(f.read(max_bytes - total))
-          total += len(chunks[-1])
-    data = b"".join(chunks)
+      paths += [os.path.join(root, n) for n in sorted(files) if n.endswith(TEXT_SUFFIXES)]
   else:
     raise UsageError(f"--data {spec!r} is neither a file nor a folder")
-  if len(data) < 4096:
-    raise UsageError(f"--data {spec!r} holds only {len(data)} bytes; give more text")
-  return np.frombuffer(data, np.uint8)
+  texts, total = [], 0
+  for path in paths:
+    if total >= max_bytes:
+      break
+    with open(path, "rb") as f:
+      texts.append(f.read(max_bytes - total))
+    total += len(texts[-1])
+  if total < 4096:
+    raise UsageError(f"--data {spec!r} holds only {total} bytes; give more text")
+  return texts
+
+
+def load_corpus(spec: str, max_bytes: int = 8 << 20) -> np.ndarray:
+  """Bytes of a text file, of every .py/.txt/.md/.rst file under a folder, or of the stdlib."""
+  return np.frombuffer(b"".join(read_texts(spec, max_bytes)), np.uint8)
 
 
 def text_batch(corpus: np.ndarray, seq_len: int, batch: int, seed: int, step: int) -> dict:
@@ -318,6 +376,197 @@ def text_batch(corpus: np.ndarray, seq_len: int, batch: int, seed: int, step: in
   starts = rng.integers(0, len(corpus) - seq_len - 1, size=batch)
   windows = np.stack([corpus[s:s + seq_len + 1] for s in starts]).astype(np.int32)
   return {"tokens": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def load_tokenizer(path: str):
+  """A Hugging Face `tokenizers.Tokenizer` from its tokenizer.json."""
+  try:
+    import tokenizers
+  except ImportError as e:
+    raise UsageError("--tokenizer needs the tokenizers package: pip install -e '.[hf]'") from e
+  if not os.path.isfile(path):
+    raise UsageError(f"--tokenizer {path!r} is not a file; give a tokenizer.json")
+  return tokenizers.Tokenizer.from_file(path)
+
+
+def eos_id(tokenizer, path: str, token: str | None = None) -> int:
+  """The id of `token`, else of eos_token in the tokenizer_config.json beside `path`, else
+  of the first of `EOS_TOKENS` the tokenizer knows."""
+  if token is None:
+    beside = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if os.path.isfile(beside):
+      with open(beside) as f:
+        named = json.load(f).get("eos_token")
+      token = named.get("content") if isinstance(named, dict) else named
+  candidates = [token] if token is not None else list(EOS_TOKENS)
+  for name in candidates:
+    if tokenizer.token_to_id(name) is not None:
+      return tokenizer.token_to_id(name)
+  raise UsageError(f"--tokenizer {path!r} has no token {' or '.join(candidates)}; name its "
+                   f"end-of-text token with --eos TOKEN")
+
+
+def tokenize_documents(texts: list[bytes], tokenizer, eos: int) -> np.ndarray:
+  """The documents' tokens, one stream with `eos` between documents."""
+  encoded = tokenizer.encode_batch([t.decode("utf-8", errors="replace") for t in texts])
+  parts = []
+  for k, doc in enumerate(encoded):
+    parts += ([np.asarray([eos], np.int32)] if k else []) + [np.asarray(doc.ids, np.int32)]
+  return np.concatenate(parts)
+
+
+def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+  """Consecutive sequences [n, seq_len + 1] of the stream (the tail that fills none is
+  dropped): tokens and, shifted by one, targets."""
+  n = len(tokens) // (seq_len + 1)
+  return tokens[:n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+def packed_batch(sequences: np.ndarray, batch: int, seed: int, step: int) -> dict:
+  """Rows `step * batch ...` of the sequences in an order reshuffled every epoch: every
+  sequence once per epoch, and the same batch for the same (seed, step) on every run."""
+  n = len(sequences)
+  rows = np.arange(step * batch, (step + 1) * batch)
+  order = {e: np.random.default_rng([seed, e]).permutation(n) for e in np.unique(rows // n)}
+  picked = sequences[[order[r // n][r % n] for r in rows]]
+  return {"tokens": picked[:, :-1], "targets": picked[:, 1:]}
+
+
+def data_tokenizer(args):
+  """--tokenizer's tokenizer, or None when --data is read as bytes or is synthetic."""
+  if args.tokenizer is None:
+    if args.eos is not None:
+      raise UsageError("--eos names a token of --tokenizer; add --tokenizer or drop --eos")
+    if args.init_from and args.data != "synthetic":
+      raise UsageError(f"--init-from {args.init_from} trains on the checkpoint's tokens: add "
+                       f"--tokenizer with its tokenizer.json (bytes are not its tokens)")
+    return None
+  if args.data == "synthetic":
+    raise UsageError("--data synthetic is random tokens, nothing to tokenize; drop --tokenizer")
+  return load_tokenizer(args.tokenizer)
+
+
+def preset_config(args, n_stages: int, dtype, vocab_size: int | None):
+  """(family, config) of the --model preset for `vocab_size` tokens (None: the preset's)."""
+  name = _model_name(args)
+  overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
+  if args.seq_len:
+    overrides["seq_len"] = args.seq_len
+  family = qwen3 if name in qwen3.PRESETS else gpt
+  if family is qwen3 and args.experts:
+    raise UsageError("--experts makes a MoE GPT; the qwen3-moe presets are MoE already")
+  if args.save_hf and (family is not qwen3):
+    raise UsageError(f"--save-hf writes Qwen3 checkpoints, and --model {name} is a GPT; take "
+                     f"a qwen3 preset or --init-from")
+  try:
+    if args.experts:
+      return family, moe.MoEConfig(**{**gpt.PRESETS[name], **overrides}, n_stages=n_stages,
+                                   dtype=dtype, n_experts=args.experts)
+    return family, family.get_config(name, n_stages=n_stages, dtype=dtype, **overrides)
+  except ValueError as e:
+    raise UsageError(f"--stages {n_stages}: {e}") from e
+
+
+# The fields of a qwen3 preset a checkpoint must share for --model to name it.
+ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                       "intermediate", "tie_embeddings", "rope_theta", "norm_eps", "n_experts",
+                       "top_k", "moe_intermediate", "norm_topk_prob")
+
+
+def _check_preset_matches(args, checkpoint: qwen3.Qwen3Config) -> qwen3.Qwen3Config:
+  """The --model preset, which must describe the --init-from checkpoint's model."""
+  if args.model not in qwen3.PRESETS:
+    raise UsageError(f"--model {args.model} is a GPT preset and --init-from loads a Qwen3 "
+                     f"checkpoint: drop --model (the checkpoint's config.json sets the model)")
+  preset = qwen3.get_config(args.model)
+  kind = lambda c: "a Qwen3-MoE" if isinstance(c, qwen3.Qwen3MoEConfig) else "a dense Qwen3"
+  if kind(preset) != kind(checkpoint):
+    raise UsageError(f"--model {args.model} is {kind(preset)}, but --init-from "
+                     f"{args.init_from} is {kind(checkpoint)}; drop --model to train the "
+                     f"checkpoint's model")
+  for field in ARCHITECTURE_FIELDS:
+    ours, theirs = getattr(preset, field, None), getattr(checkpoint, field, None)
+    if ours != theirs:
+      raise UsageError(f"--model {args.model} has {field}={ours}, but --init-from "
+                       f"{args.init_from} has {field}={theirs}; drop --model to train the "
+                       f"checkpoint's model")
+  return preset
+
+
+def checkpoint_model(args, n_stages: int, dtype, vocab_size: int | None):
+  """(config, params) of --init-from, for `vocab_size` tokens (None: any)."""
+  if args.experts:
+    raise UsageError("--experts makes a MoE GPT; --init-from's config.json says whether the "
+                     "model is MoE: drop --experts")
+  where = f"--init-from {args.init_from}"
+  try:
+    fields = hf.read_config(args.init_from)
+    overrides = dict(n_stages=n_stages, dtype=dtype,
+                     seq_len=args.seq_len or min(4096, fields.get("max_position_embeddings", 4096)))
+    config = hf.config_from_hf(fields, **overrides)
+  except (OSError, hf.UnsupportedCheckpoint) as e:
+    raise UsageError(f"{where}: {e}") from e
+  except ValueError as e:  # the stages do not fit the checkpoint's layers
+    raise UsageError(f"--stages {n_stages}: {e}") from e
+  if args.model:
+    preset = _check_preset_matches(args, config)
+    overrides["seq_len"] = args.seq_len or preset.seq_len
+    if isinstance(preset, qwen3.Qwen3MoEConfig):
+      overrides["capacity_factor"] = preset.capacity_factor
+  if vocab_size is not None and vocab_size > config.vocab_size:
+    raise UsageError(f"--tokenizer {args.tokenizer} has {vocab_size} tokens, more than the "
+                     f"{config.vocab_size} of {where}; give the checkpoint's own tokenizer")
+  try:
+    return hf.load(args.init_from, **overrides)
+  except (OSError, hf.UnsupportedCheckpoint) as e:
+    raise UsageError(f"{where}: {e}") from e
+
+
+def batch_source(args, family, config, tokenizer, rng) -> Callable[[int], dict]:
+  """`get_batch(step)`: the batch of a step, the same on every run (so a resumed run under
+  any strategy continues on the tokens it would have had)."""
+  if args.data == "synthetic":
+    data_rng = jax.random.fold_in(rng, 1)
+    return lambda i: jax.device_get(family.random_batch(
+        config, jax.random.fold_in(data_rng, i), args.batch))
+  if tokenizer is None:
+    corpus = load_corpus(args.data)
+    return lambda i: text_batch(corpus, config.seq_len, args.batch, args.seed, i)
+  eos = eos_id(tokenizer, args.tokenizer, args.eos)
+  sequences = pack(tokenize_documents(read_texts(args.data), tokenizer, eos), config.seq_len)
+  if len(sequences) < args.batch:
+    raise UsageError(f"--data {args.data!r} makes {len(sequences)} sequences of "
+                     f"{config.seq_len + 1} tokens, fewer than --batch {args.batch}; give "
+                     f"more text or lower --seq-len")
+  print(f"data: {len(sequences)} sequences of {config.seq_len + 1} tokens")
+  return lambda i: packed_batch(sequences, args.batch, args.seed, i)
+
+
+def save_hf(args, step, state, config) -> None:
+  """--save-hf: the trained parameters as a Hugging Face checkpoint, with --init-from's
+  config.json fields and --tokenizer's files beside them (process 0 writes)."""
+  started = time.perf_counter()
+  # Sharded over the step's devices, then copied to the host a shard file at a time.
+  params = step.canonical(state)["params"]
+  if jax.process_count() > 1:  # each process holds only its shards
+    params = multihost_utils.process_allgather(params, tiled=True)
+  if jax.process_index() == 0:
+    extra = hf.read_config(args.init_from) if args.init_from else {}
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.save_hf_dtype]
+    hf.save(args.save_hf, config, params, dtype=dtype, extra=extra)
+    if args.tokenizer:
+      _copy_tokenizer(args.tokenizer, args.save_hf)
+  print(f"saved a Hugging Face checkpoint to {args.save_hf} in "
+        f"{time.perf_counter() - started:.1f} s")
+
+
+def _copy_tokenizer(path: str, directory: str) -> None:
+  """tokenizer.json, and the tokenizer_config.json beside it, into the checkpoint folder."""
+  beside = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+  for source, name in ((path, "tokenizer.json"), (beside, "tokenizer_config.json")):
+    target = os.path.join(directory, name)
+    if os.path.isfile(source) and not (os.path.exists(target) and os.path.samefile(source, target)):
+      shutil.copyfile(source, target)
 
 
 def build_model(family, config, experts: int):
@@ -470,30 +719,18 @@ def run(args) -> dict:
                      "process; drop --check under the launcher (or run it in one process)")
 
   dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-  overrides = {} if args.data == "synthetic" else {"vocab_size": 256}
-  if args.seq_len:
-    overrides["seq_len"] = args.seq_len
-  family = qwen3 if args.model in qwen3.PRESETS else gpt
-  if family is qwen3 and args.experts:
-    raise UsageError("--experts makes a MoE GPT; the qwen3-moe presets are MoE already")
-  try:
-    if args.experts:
-      config = moe.MoEConfig(**{**gpt.PRESETS[args.model], **overrides}, n_stages=n_stages,
-                             dtype=dtype, n_experts=args.experts)
-    else:
-      config = family.get_config(args.model, n_stages=n_stages, dtype=dtype, **overrides)
-  except ValueError as e:
-    raise UsageError(f"--stages {n_stages}: {e}") from e
-  model = build_model(family, config, args.experts)
+  tokenizer = data_tokenizer(args)
+  vocab_size = (None if args.data == "synthetic" else
+                tokenizer.get_vocab_size() if tokenizer else 256)
   rng = jax.random.PRNGKey(args.seed)
-  params = family.init_params(model, rng)
-  if args.data == "synthetic":
-    data_rng = jax.random.fold_in(rng, 1)
-    get_batch = lambda i: jax.device_get(family.random_batch(
-        config, jax.random.fold_in(data_rng, i), args.batch))
+  if args.init_from:
+    family = qwen3
+    config, params = checkpoint_model(args, n_stages, dtype, vocab_size)
   else:
-    corpus = load_corpus(args.data)
-    get_batch = lambda i: text_batch(corpus, config.seq_len, args.batch, args.seed, i)
+    family, config = preset_config(args, n_stages, dtype, vocab_size)
+    params = family.init_params(build_model(family, config, args.experts), rng)
+  model = build_model(family, config, args.experts)
+  get_batch = batch_source(args, family, config, tokenizer, rng)
   optimizer = optax.chain(
       optax.clip_by_global_norm(1.0), optax.adamw(args.lr))
 
@@ -501,7 +738,8 @@ def run(args) -> dict:
         f"({devices[0].platform})")
   n_experts = args.experts or getattr(config, "n_experts", 0)
   kind = f" MoE ({n_experts} experts, top-{getattr(config, 'top_k', 2)})" if n_experts else ""
-  print(f"model: {args.model}{kind}, {gpt.count_params(params) / 1e6:.2f}M params, "
+  print(f"model: {_model_name(args) or args.init_from}{kind}, "
+        f"{gpt.count_params(params) / 1e6:.2f}M params, "
         f"{config.n_layers} layers in {config.n_stages} stage(s), {args.dtype}")
   print(f"strategy: {args.strategy}; data: {args.data}")
 
@@ -552,6 +790,8 @@ def run(args) -> dict:
   tokens_per_s = tokens_per_step * steps_timed / sum(t for _, t in windows) if windows else None
   if tokens_per_s is not None:
     print(f"mean throughput (after the first {args.log_every} steps): {tokens_per_s:,.0f} tok/s")
+  if args.save_hf:
+    save_hf(args, step, state, config)
   return {"losses": losses, "tokens_per_s": tokens_per_s, "step": step,
           "state": state}
 
