@@ -317,7 +317,7 @@ class Plan:
 
   def timeline(self, path, costs=None, ticks: bool = False):
     """Writes a per-device Gantt chart (.svg, .png or .html); see `piper_jax.viz.timeline`."""
-    from piper_jax.viz import timeline
+    from piper_jax.ir.timeline import timeline
     return timeline(self, path, costs, ticks)
 
   def simulate(self, costs):

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from piper_jax.annotate import parse_scope, reset_counters
 from piper_jax.ir.graph import TensorSpec
 from piper_jax.ir.model import ActivationRef, ModelSpec, RegionSpec
 from piper_jax.lowering.compat import Literal, Var, eval_eqns, name_stack
+from piper_jax.lowering.scopes import parse_scope, reset_counters
 
 __all__ = ["TracedLoss", "trace_loss", "path_name", "check_leaf"]
 

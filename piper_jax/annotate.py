@@ -5,35 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import threading
 from typing import Callable
 
 import jax
 
+from piper_jax.lowering.scopes import RESERVED, enter_scope, parse_scope, reset_counters
+
 __all__ = ["annotate", "parse_scope", "reset_counters"]
-
-_SCOPE_PREFIX = "piper:"
-_SCOPE_RE = re.compile(r"piper:([A-Za-z_][A-Za-z0-9_]*)=(\d+)")
-_RESERVED = frozenset({"MB", "PASS"})
-
-
-class _Counters(threading.local):
-  def __init__(self):
-    self.next_index: dict[str, int] = {}
-
-
-_counters = _Counters()
-
-
-def reset_counters() -> None:
-  """Starts the per-tag indices at 0 again (the compiler calls it before tracing)."""
-  _counters.next_index.clear()
-
-
-def _enter(tag: str) -> str:
-  index = _counters.next_index.get(tag, 0)
-  _counters.next_index[tag] = index + 1
-  return f"{_SCOPE_PREFIX}{tag}={index}"
 
 
 class annotate(contextlib.ContextDecorator):
@@ -50,13 +28,13 @@ class annotate(contextlib.ContextDecorator):
   def __init__(self, tag: str):
     if not isinstance(tag, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", tag):
       raise ValueError(f"annotate tag must be an identifier like 'PP', got {tag!r}")
-    if tag in _RESERVED:
+    if tag in RESERVED:
       raise ValueError(f"annotate tag {tag!r} is reserved for the compiler; use another name")
     self.tag = tag
     self._scopes: list[contextlib.AbstractContextManager] = []
 
   def __enter__(self):
-    scope = jax.named_scope(_enter(self.tag))
+    scope = jax.named_scope(enter_scope(self.tag))
     scope.__enter__()
     self._scopes.append(scope)
     return self
@@ -73,8 +51,3 @@ class annotate(contextlib.ContextDecorator):
         return fn(*args, **kwargs)
 
     return wrapped
-
-
-def parse_scope(name_stack: str) -> tuple[tuple[str, int], ...]:
-  """The (tag, index) pairs of the annotations in a jaxpr equation's name stack."""
-  return tuple((tag, int(index)) for tag, index in _SCOPE_RE.findall(name_stack))

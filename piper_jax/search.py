@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import jax
 import optax
 
+from piper_jax import builders
 from piper_jax.compile import compile as compile_step
 from piper_jax.costs import (CostModel, Estimate, MeasuredModel, MemoryEstimate, estimate,
                              estimate_plan, format_bytes, format_time as _fmt_time,
@@ -214,16 +215,15 @@ def _placement(lay: _Layout, reduce_dtype: str | None, bucket_mb: float | None) 
     if lay.dp == 1:
       out = [place({}, [0])]
     return out + ([split(lay.n_microbatches)] if lay.n_microbatches > 1 else [])
-  from piper_jax import strategies
   n_stages = len(lay.stages)
   if all(len(s) == 1 for s in lay.stages) or lay.n_virtual > 1:
-    return strategies.pipeline(n_stages, lay.n_microbatches, lay.schedule, dp=lay.dp,
+    return builders.pipeline(n_stages, lay.n_microbatches, lay.schedule, dp=lay.dp,
                                zero=lay.zero, n_virtual=max(lay.n_virtual, 2),
                                reduce_dtype=reduce_dtype)
   # Several consecutive PP regions per rank: place each on its rank's devices, and
   # run the schedule's stage orders with every filter of stage k widened to a group
   # of its regions (forward in order, backward reversed; the data edges order them).
-  base = strategies.pipeline(n_stages, lay.n_microbatches, lay.schedule)
+  base = builders.pipeline(n_stages, lay.n_microbatches, lay.schedule)
   out: list[Directive] = [split(lay.n_microbatches)]
   for k, regions in enumerate(lay.stages):
     devices = [r * lay.n_ranks + k for r in range(lay.dp)]
