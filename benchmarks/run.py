@@ -37,7 +37,7 @@ the matmul, before the convert to the fp32 parameter's dtype. A `+noroll` suffix
 with `pj.compile(..., roll=False)`: every tick unrolled instead of the schedule's steady
 state as one loop (`+roll`, the default, is still accepted). A
 `+nocast` suffix turns off casting the bf16-read weights once per step (every task
-slices and casts its own); `+taskcast` does so for pipelines only, and `+nounpack` has a pipeline's tasks slice their weights from the cast
+slices and casts its own), and `+nounpack` has a pipeline's tasks slice their weights from the cast
 segments instead of reading them unpacked once per step; `+nodistopt` runs ZeRO-1/2
 without the distributed optimizer (replicated fp32 parameters, all-gathered in fp32
 after the update); `+nocolsum` sums bias gradients without their own optimization
@@ -98,7 +98,7 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
 # Variant suffixes besides "+rK" (a DP variant over K regions).
-_SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "taskcast", "nounpack",
+_SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "nounpack",
              "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
              "spread", "writeafter",
              "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla", "ac")
@@ -317,7 +317,6 @@ def lowering_options(mods: list[str]):
       max_carry_depth=4 if "deeproll" in mods else 1,
       remat=True if "remat" in mods else False if "noremat" in mods else None,
       cast_weights="nocast" not in mods,
-      cast_in_pipelines="taskcast" not in mods,
       unpack_in_pipelines="nounpack" not in mods,
       shard_masters="nodistopt" not in mods,
       column_sum_rows=0 if "nocolsum" in mods else pj.LoweringOptions.column_sum_rows,

@@ -184,8 +184,7 @@ class ParamLayout:
     # once per step: one target per dtype (the commonest), in slots of their own.
     # In pipelines too: with the rolled loop and its command buffers, casting once a
     # step is faster and compiles faster than casting in every task.
-    if not options.cast_weights or (self.n_pp > 1 and self.zero < 3
-                                    and not options.cast_in_pipelines):
+    if not options.cast_weights:
       casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
     self.cast_to: dict[str, str] = {}

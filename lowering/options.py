@@ -33,9 +33,6 @@ class LoweringOptions:
       stores in its place when that is no larger; None does so in pipelines only.
     cast_weights: weights the model reads only in a narrower dtype are cast once per
       step (in slots of their own), not by every task that reads them.
-    cast_in_pipelines: the same in pipelines (False: each task casts its own; a
-      pipeline's ZeRO-3 then gathers its weights in fp32). ZeRO-3 without a pipeline
-      gathers the cast weights in their narrower dtype whatever this says.
     unpack_in_pipelines: a pipeline (any ZeRO stage) slices its cast weights into arrays of
       their own once per step, which every tick passes through, instead of each task
       slicing its weights from the packed segments.
@@ -77,7 +74,6 @@ class LoweringOptions:
   max_carry_depth: int = 1
   remat: bool | None = None
   cast_weights: bool = True
-  cast_in_pipelines: bool = True
   unpack_in_pipelines: bool = True
   shard_masters: bool = True
   spread_uneven_slots: bool = False
