@@ -31,6 +31,7 @@ import optax  # noqa: E402
 
 import piper_jax as pj  # noqa: E402
 from examples import gpt, qwen3  # noqa: E402
+from piper_jax.memory import CompiledMemory  # noqa: E402
 
 
 def _model(name: str, seq_len: int, dtype):
@@ -53,6 +54,8 @@ def _plain(loss_fn, tx, params, batch, k: int):
     def body(total, mb):
       return jax.tree_util.tree_map(jnp.add, total, jax.value_and_grad(loss_fn)(p, mb)), None
 
+    # The sum starts at zero inside the scan, so no microbatch's activations live
+    # outside it (run.py's accumulation starts from the first microbatch instead).
     zero = (jnp.zeros(()), jax.tree_util.tree_map(jnp.zeros_like, p))
     total, _ = jax.lax.scan(body, zero, mbs)
     return jax.tree_util.tree_map(lambda x: x / k, total)
@@ -97,9 +100,7 @@ def measure(row: str, loss_fn, tx, params, batch, k: int, steps: int, warmup: in
     compiled, compile_s, run = _plain(loss_fn, tx, params, batch, 1 if row == "jit" else k)
   else:
     compiled, compile_s, run = _piper(loss_fn, tx, params, batch, k, row)
-  m = compiled.memory_analysis()
-  memory = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes) if m is not None else float("nan")
+  memory = CompiledMemory.of(compiled).total
   for _ in range(warmup):
     jax.block_until_ready(run())
   times = []

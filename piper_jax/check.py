@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from piper_jax.memory import CompiledMemory
 from piper_jax.precision import precision_of, widen
 
 __all__ = ["CheckReport", "check", "FP32_RTOL", "FP32_LOSS_RTOL", "LOW_PRECISION_FACTOR",
@@ -379,11 +380,7 @@ def _batches(step, batch, steps: int) -> list:
 
 def _fits_one_device(params, tx, device) -> bool:
   """Whether parameters, gradients and optimizer state take at most half a device's memory."""
-  try:
-    stats = device.memory_stats()
-  except Exception:  # backends without memory statistics
-    stats = None
-  limit = (stats or {}).get("bytes_limit")
+  limit = _memory_stats(device).get("bytes_limit")
   if not limit:
     return True
   nbytes = lambda t: sum(math.prod(np.shape(x)) * jnp.dtype(jnp.result_type(x)).itemsize
@@ -398,38 +395,53 @@ def _fits_one_device(params, tx, device) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Placement:
-  """Where a reference runs: functions placing parameters, batches and optimizer state."""
+  """Where a reference runs: the sharding of each parameter (and optimizer state leaf)
+  and of each batch leaf, by shape; `spread` when over several devices, whose jitted
+  outputs are then constrained to those shardings too."""
 
-  put: Callable
-  put_batch: Callable
-  constrain: Callable
+  sharding: Callable  # leaf shape -> Sharding
+  batch_sharding: Callable  # leaf shape -> Sharding
   device: Any  # the device whose free memory bounds the reference
+  spread: bool
+
+  def put(self, tree):
+    # Copies: the reference's step donates its parameters, never the caller's arrays.
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, self.sharding(np.shape(x)), may_alias=False), tree)
+
+  def put_batch(self, tree):
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, self.batch_sharding(np.shape(x))), tree)
+
+  def constrain(self, tree):
+    if not self.spread:
+      return tree
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.with_sharding_constraint(x, self.sharding(x.shape)), tree)
+
+  def shapes(self, tree, sharding: Callable | None = None):
+    """`tree`'s leaves as `jax.ShapeDtypeStruct`s placed as `put` would place them."""
+    sharding = sharding or self.sharding
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+        np.shape(x), jnp.result_type(x), sharding=sharding(np.shape(x))), tree)
 
 
 def _placement(reference: str, devices: list) -> _Placement:
   if reference == "one_device":
-    dev = jax.local_devices()[0]
-    # Copies: the reference's step donates its parameters, never the caller's arrays.
-    put = lambda t: jax.device_put(t, dev, may_alias=False)
-    return _Placement(put, put, lambda t: t, dev)
+    one = SingleDeviceSharding(jax.local_devices()[0])
+    return _Placement(lambda shape: one, lambda shape: one, jax.local_devices()[0], False)
   mesh = Mesh(np.array(devices), ("d",))
   n = len(devices)
 
-  def sharding(x):
+  def sharding(shape):
     # The first dimension that divides evenly, so that no device holds a whole weight.
-    shape = np.shape(x)
     axis = next((i for i, d in enumerate(shape) if d % n == 0), None)
     return NamedSharding(mesh, P() if axis is None else P(*([None] * axis + ["d"])))
 
-  def put_batch(t):
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, NamedSharding(
-        mesh, P("d") if np.shape(x)[0] % n == 0 else P())), t)
+  def batch_sharding(shape):
+    return NamedSharding(mesh, P("d") if shape[0] % n == 0 else P())
 
-  put = lambda t: jax.tree_util.tree_map(
-      lambda x: jax.device_put(x, sharding(x), may_alias=False), t)
-  constrain = lambda t: jax.tree_util.tree_map(
-      lambda x: jax.lax.with_sharding_constraint(x, sharding(x)), t)
-  return _Placement(put, put_batch, constrain, devices[0])
+  return _Placement(sharding, batch_sharding, devices[0], True)
 
 
 def _value_and_grad(loss_fn: Callable, slices: int) -> Callable:
@@ -472,7 +484,8 @@ class _Reference:
     return jax.default_matmul_precision("highest" if self.highest else None)
 
   def _step(self, slices: int, params, opt_state, batch):
-    """The compiled step: (params, opt_state, batch) -> (params, opt_state, loss, grads)."""
+    """The step compiled for these shapes: (params, opt_state, batch) -> (params,
+    opt_state, loss, grads)."""
     if slices not in self._compiled:
       vg, c = _value_and_grad(self.loss_fn, slices), self.placement.constrain
 
@@ -486,12 +499,12 @@ class _Reference:
             params, opt_state, batch).compile()
     return self._compiled[slices]
 
-  def _placed(self, params, batch):
+  def _shapes(self, params, batch):
+    """The step's arguments as placed shapes: nothing is allocated."""
     pl = self.placement
-    params = pl.put(self.cast(params))
-    with self._precision():
-      opt_state = jax.jit(lambda p: pl.constrain(self.tx.init(p)))(params)
-    return params, opt_state, pl.put_batch(batch)
+    params = jax.eval_shape(self.cast, params)
+    opt_state = jax.eval_shape(self.tx.init, params)
+    return pl.shapes(params), pl.shapes(opt_state), pl.shapes(batch, pl.batch_sharding)
 
   def slices_that_fit(self, params, batch) -> int:
     """A number of slices of the batch whose compiled step XLA counts as fitting the
@@ -500,21 +513,13 @@ class _Reference:
     The steps on slices of one and two rows are compiled first: what a row adds gives
     each slicing's size, so the whole batch's step (a large float32 one can take minutes
     for XLA to try to fit) is compiled only where it should fit."""
-    try:
-      stats = self.placement.device.memory_stats() or {}
-    except Exception:  # backends without memory statistics
-      stats = {}
-    if not stats.get("bytes_limit"):
+    stats = _memory_stats(self.placement.device)
+    size = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if not stats.get("bytes_limit") or size == 1:
       return 1
     free = 0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    size = jax.tree_util.tree_leaves(batch)[0].shape[0]
-    shapes = lambda t: jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
-                                       sharding=getattr(x, "sharding", None)), t)
-    args = tuple(map(shapes, self._placed(params, batch)))
-    need = lambda n: _needs(self._step(n, *args).memory_analysis())
-    if size == 1:
-      return 1
+    args = self._shapes(params, batch)
+    need = lambda n: CompiledMemory.of(self._step(n, *args)).total
     # Slices of one and of two rows: what a row of a slice adds.
     one = need(size)
     per_row = need(size // 2) - one if size % 2 == 0 else one
@@ -528,12 +533,14 @@ class _Reference:
   def train(self, params, batches, slices: int):
     """`len(batches)` steps: the losses, the parameters and the first step's gradient,
     on the host."""
-    params, opt_state, _ = self._placed(params, batches[0])
+    pl = self.placement
+    step = self._step(slices, *self._shapes(params, batches[0]))
+    params = pl.put(self.cast(params))
+    with self._precision():
+      opt_state = jax.jit(lambda p: pl.constrain(self.tx.init(p)))(params)
     losses, first = [], None
     for b in batches:
-      b = self.placement.put_batch(b)
-      params, opt_state, loss, grads = self._step(slices, params, opt_state, b)(
-          params, opt_state, b)
+      params, opt_state, loss, grads = step(params, opt_state, pl.put_batch(b))
       losses.append(float(loss))
       first = _host(grads) if first is None else first
       del grads
@@ -542,12 +549,12 @@ class _Reference:
     return losses, out, first
 
 
-def _needs(analysis) -> float:
-  """Bytes a compiled program holds at once, by XLA's count (0 where it has none)."""
-  if analysis is None:
-    return 0.0
-  return float(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-               - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+def _memory_stats(device) -> dict:
+  """The device's allocator statistics; empty where the backend keeps none."""
+  try:
+    return device.memory_stats() or {}
+  except Exception:  # backends without memory statistics
+    return {}
 
 
 def _sgd_gradient(step, params, batch, start: list, grads: list) -> list:

@@ -1,5 +1,6 @@
 """`check`: a correct strategy passes; wrong parameters, a frozen leaf, a wrong gradient fail."""
 
+import dataclasses
 import functools
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 import piper_jax as pj
 from piper_jax import check as check_mod
+from piper_jax.memory import CompiledMemory
 from piper_jax.precision import precision_of
 from piper_jax.check import check
 from models import init_mlp, mlp_loss, optimizer, random_batch
@@ -263,15 +265,14 @@ def test_references_take_slices_of_the_batch_to_fit_the_device():
       return {"bytes_limit": self.limit, "bytes_in_use": 0}
 
   def reference(limit):
-    base = check_mod._placement("one_device", jax.devices()[:1])
-    placement = check_mod._Placement(base.put, base.put_batch, base.constrain, Device(limit))
+    placement = dataclasses.replace(check_mod._placement("one_device", jax.devices()[:1]),
+                                    device=Device(limit))
     return check_mod._Reference(loss, optax.adam(1e-2), placement, highest=False)
 
   sizes = {}
   for n in (1, 64):
     ref = reference(1)
-    args = ref._placed(params, batch)
-    sizes[n] = check_mod._needs(ref._step(n, *args).memory_analysis())
+    sizes[n] = CompiledMemory.of(ref._step(n, *ref._shapes(params, batch))).total
   assert sizes[64] < sizes[1]
   assert reference(2 * sizes[1] / 0.9).slices_that_fit(params, batch) == 1
   assert reference(sizes[64] / 0.9 * 1.01).slices_that_fit(params, batch) > 1

@@ -191,9 +191,9 @@ def _plain_accumulation_bytes(loss_fn, tx, params, batch, k):
     updates, o = tx.update(jax.tree_util.tree_map(lambda x: x / k, g), o, p)
     return optax.apply_updates(p, updates), o, loss / k
 
-  m = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), batch).compile()
-  m = m.memory_analysis()
-  return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+  from piper_jax.memory import CompiledMemory
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), batch).compile()
+  return CompiledMemory.of(compiled).total
 
 
 def test_accumulation_holds_one_microbatch_like_plain_jax():
