@@ -10,6 +10,8 @@ from typing import Mapping, Sequence
 from piper_jax.ir.graph import Graph, Node, NodeKind, Pass
 from piper_jax.ir.mesh import MeshSpec
 from piper_jax.ir.model import ModelSpec
+from piper_jax.ir.simulate import simulate as simulate_plan
+from piper_jax.ir.timeline import timeline as draw_timeline
 
 __all__ = ["Task", "Plan", "schedule_ticks", "delay_tasks"]
 
@@ -317,10 +319,8 @@ class Plan:
 
   def timeline(self, path, costs=None, ticks: bool = False):
     """Writes a per-device Gantt chart (.svg, .png or .html); see `piper_jax.viz.timeline`."""
-    from piper_jax.ir.timeline import timeline
-    return timeline(self, path, costs, ticks)
+    return draw_timeline(self, path, costs, ticks)
 
   def simulate(self, costs):
     """Simulated makespan, bubble fraction and peak activations; see `ir.simulate`."""
-    from piper_jax.ir.simulate import simulate
-    return simulate(self, costs)
+    return simulate_plan(self, costs)

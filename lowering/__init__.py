@@ -1,7 +1,25 @@
-"""jaxpr -> regions -> per-tick shard_map program (the only stage that touches devices)."""
+"""jaxpr -> regions -> one shard_map program (the only stage that touches devices).
 
+The layers above (the API modules and the planner) import the lowering through these
+names only, so that its modules can move without touching them.
+"""
+
+from piper_jax.lowering.collectives import StepCollective, collectives_table, step_collectives
+from piper_jax.lowering.compat import shard_map_unchecked
 from piper_jax.lowering.layout import ParamLayout
-from piper_jax.lowering.program import Program
-from piper_jax.lowering.trace import TracedLoss, trace_loss
+from piper_jax.lowering.local import RegionRunner, SplitAxis
+from piper_jax.lowering.optimizer import packed_update_reason
+from piper_jax.lowering.options import LoweringOptions
+from piper_jax.lowering.program import Program, lowers_as_loop
+from piper_jax.lowering.regions import (analyze_region, backward_input, full_residuals,
+                                        region_backward, region_forward, split_backward)
+from piper_jax.lowering.scopes import RESERVED, enter_scope, parse_scope, reset_counters
+from piper_jax.lowering.trace import TracedLoss, check_leaf, trace_loss
 
-__all__ = ["ParamLayout", "Program", "TracedLoss", "trace_loss"]
+__all__ = [
+    "LoweringOptions", "ParamLayout", "Program", "TracedLoss", "trace_loss", "check_leaf",
+    "lowers_as_loop", "RegionRunner", "SplitAxis", "analyze_region", "region_forward",
+    "region_backward", "backward_input", "full_residuals", "split_backward", "StepCollective",
+    "collectives_table", "step_collectives", "packed_update_reason", "shard_map_unchecked",
+    "RESERVED", "enter_scope", "parse_scope", "reset_counters",
+]

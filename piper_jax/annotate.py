@@ -9,7 +9,7 @@ from typing import Callable
 
 import jax
 
-from piper_jax.lowering.scopes import RESERVED, enter_scope, parse_scope, reset_counters
+from piper_jax.lowering import RESERVED, enter_scope, parse_scope, reset_counters
 
 __all__ = ["annotate", "parse_scope", "reset_counters"]
 

@@ -2,8 +2,8 @@
 chooses among them."""
 
 from piper_jax.builders import data_parallel, pipeline
-from piper_jax.search import (Candidate, CostModel, Estimate, SearchResult, estimate,
-                              search)
+from piper_jax.planner import (Candidate, CostModel, Estimate, SearchResult, estimate,
+                               search)
 
 __all__ = ["data_parallel", "pipeline", "search", "estimate", "SearchResult", "Candidate",
            "CostModel", "Estimate"]

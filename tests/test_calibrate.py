@@ -39,7 +39,7 @@ def test_every_region_is_timed_and_the_cache_is_reused(tmp_path, monkeypatch):
              costs[(r, "BI")] + costs[(r, "BW")] == pytest.approx(costs[(r, "B")])
              for r in range(n_regions))
   # A second call finds every region in the cache and times nothing.
-  cal = sys.modules["piper_jax.calibrate"]  # the module (pj.calibrate is its function)
+  cal = sys.modules["piper_jax.planner.calibrate"]  # the module (pj.calibrate is its function)
   monkeypatch.setattr(cal, "_seconds", lambda *a: pytest.fail("timed a cached region"))
   again = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=cache)
   assert again == times
@@ -54,7 +54,7 @@ def test_the_optimizers_update_is_timed_per_byte_and_cached(tmp_path, monkeypatc
   times = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=cache, optimizer=tx)
   assert times.update_s_per_byte > 0
   assert pj.calibrate(loss, params, batch, rows=2, repeats=1).update_s_per_byte == 0
-  cal = sys.modules["piper_jax.calibrate"]
+  cal = sys.modules["piper_jax.planner.calibrate"]
   monkeypatch.setattr(cal, "_seconds", lambda *a: pytest.fail("timed a cached update"))
   again = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=cache, optimizer=tx)
   assert again == times
@@ -89,7 +89,7 @@ def test_several_row_counts_are_timed_and_cached(tmp_path, monkeypatch):
   assert times.rows == 4 and [t.rows for t in times.other_rows] == [1]
   one = times.other_rows[0]
   assert times.costs(1)[(0, "F")] == pytest.approx(one.forward[0])
-  cal = sys.modules["piper_jax.calibrate"]
+  cal = sys.modules["piper_jax.planner.calibrate"]
   monkeypatch.setattr(cal, "_seconds", lambda *a: pytest.fail("timed a cached region"))
   assert pj.calibrate(loss, params, batch, rows=[4, 1], repeats=1, cache=cache) == times
   with pytest.raises(ValueError, match="non-empty list"):
@@ -119,7 +119,7 @@ def test_regions_are_timed_on_the_batchs_own_token_ids(monkeypatch):
   loss, params, _ = _tiny()
   config = gpt.get_config("tiny", n_stages=2, n_layers=4)
   batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8)
-  cal = sys.modules["piper_jax.calibrate"]
+  cal = sys.modules["piper_jax.planner.calibrate"]
   seen = []
   monkeypatch.setattr(cal, "_seconds",
                       lambda fn, args, repeats: seen.append(args[1]) or 1e-3)
@@ -142,7 +142,7 @@ def test_regions_are_timed_on_what_the_regions_before_them_make(monkeypatch):
   net = qwen3.make_model(config)
   params = jax.eval_shape(lambda: qwen3.init_params(net, jax.random.PRNGKey(0)))
   batch = qwen3.random_batch(config, jax.random.PRNGKey(1), 4)
-  cal = sys.modules["piper_jax.calibrate"]
+  cal = sys.modules["piper_jax.planner.calibrate"]
   seen = []
   monkeypatch.setattr(cal, "_seconds", lambda fn, args, repeats: seen.append(args[2]) or 1e-3)
   pj.calibrate(qwen3.loss_fn(net), params, batch, rows=2, repeats=1)

@@ -11,6 +11,8 @@ leave out.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -18,15 +20,13 @@ import optax
 
 from piper_jax import builders
 from piper_jax.compile import compile as compile_step
-from piper_jax.costs import (CostModel, Estimate, MeasuredModel, MemoryEstimate, estimate,
-                             estimate_plan, format_bytes, format_time as _fmt_time,
-                             measure_model)
 from piper_jax.ir.directives import (Directive, Order, order, place, replicate, shard,
                                      shard_tensor, split)
 from piper_jax.ir.pipeline import make_plan
+from piper_jax.planner.costs import (CostModel, Estimate, MeasuredModel, estimate_plan,
+                                     format_bytes, format_time, measure_model)
 
-__all__ = ["CostModel", "MemoryEstimate", "Estimate", "Candidate", "Rejected", "SearchResult",
-           "search", "estimate", "PIPELINE_SCHEDULES"]
+__all__ = ["Candidate", "Rejected", "SearchResult", "search", "PIPELINE_SCHEDULES"]
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
 # "dp" is data parallelism alone (no pipeline); the others are pipeline schedules.
@@ -99,15 +99,13 @@ class SearchResult:
             "| --- | --- | --- | --- | --- |"]
     for c in shown:
       rows.append(f"| {_cell(c.name)} | {c.n_microbatches} | "
-                  f"{_fmt_time(c.step_time)} | {100 * c.bubble_fraction:.1f}% | "
+                  f"{format_time(c.step_time)} | {100 * c.bubble_fraction:.1f}% | "
                   f"{format_bytes(c.peak_memory)} |")
     return "\n".join(rows)
 
   def timelines(self, folder: str, top: int = 3, fmt: str = "svg") -> list[str]:
     """Draws the plan of each of the `top` fastest candidates as a per-device timeline
     (`Plan.timeline`, tasks sized by their FLOPs) into `folder`; returns the paths."""
-    import os
-    import re
     os.makedirs(folder, exist_ok=True)
     paths = []
     for k, c in enumerate(self.candidates[:top]):

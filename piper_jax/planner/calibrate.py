@@ -28,10 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from piper_jax.lowering.local import RegionRunner
-from piper_jax.lowering.regions import (analyze_region, backward_input, full_residuals,
-                                        region_backward, region_forward, split_backward)
-from piper_jax.lowering.trace import trace_loss
+from piper_jax.lowering import (RegionRunner, analyze_region, backward_input, full_residuals,
+                                region_backward, region_forward, split_backward, trace_loss)
 
 __all__ = ["RegionTimes", "calibrate"]
 

@@ -18,19 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from piper_jax.calibrate import RegionTimes
 from piper_jax.ir.directives import Directive
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
-from piper_jax.lowering.layout import ParamLayout
-from piper_jax.lowering.local import RegionRunner
-from piper_jax.lowering.options import LoweringOptions
-from piper_jax.lowering.program import lowers_as_loop
-from piper_jax.lowering.regions import analyze_region
-from piper_jax.lowering.trace import trace_loss
+from piper_jax.lowering import (LoweringOptions, ParamLayout, RegionRunner, analyze_region,
+                                lowers_as_loop, trace_loss)
+from piper_jax.planner.calibrate import RegionTimes
 
 __all__ = ["CostModel", "MemoryEstimate", "Estimate", "estimate", "measure_model",
-           "estimate_plan", "MeasuredModel"]
+           "estimate_plan", "MeasuredModel", "format_bytes", "format_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +87,6 @@ class MemoryEstimate:
     grads_with_activations: gradients live beside the activations (a pipeline or
       accumulation over microbatches); else a single backward frees activations as it
       makes gradients and the peak holds the larger of the two.
-    sums_copy: a pipeline lowered a switch per tick (tasks with collectives) passes
-      the running gradient sums through each tick's conditional, which returns them in
-      buffers of its own: during a tick the sums it read and those it returns are live.
   """
 
   params: int
@@ -103,14 +96,12 @@ class MemoryEstimate:
   weight_copies: int = 0
   working: int = 0
   grads_with_activations: bool = True
-  sums_copy: int = 0
 
   @property
   def total(self) -> int:
     live = (self.grads + self.activations if self.grads_with_activations
             else max(self.grads, self.activations))
-    return (self.params + self.optimizer + self.weight_copies + self.working + live
-            + self.sums_copy)
+    return self.params + self.optimizer + self.weight_copies + self.working + live
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +143,7 @@ def _comm_note(e: Estimate) -> str:
 def _memory_lines(m: MemoryEstimate) -> list[str]:
   parts = [("parameters", m.params), ("gradients", m.grads), ("optimizer state", m.optimizer),
            ("activations", m.activations), ("weight copies", m.weight_copies),
-           ("backward working set", m.working), ("gradient sums' copy", m.sums_copy)]
+           ("backward working set", m.working)]
   # One backward frees activations as it makes gradients: the peak holds the larger.
   larger = "" if m.grads_with_activations else ", counting the larger of gradients and activations"
   return ([f"peak memory: {format_bytes(m.total)} per device (the busiest one{larger})"]
@@ -169,6 +160,8 @@ def format_bytes(n: float) -> str:
 
 def format_time(s: float) -> str:
   """Seconds in s, ms or us, three significant figures."""
+  # Rounded before the unit is chosen: 0.9999996 ms is "1 ms", not "1e+03 us".
+  s = float(f"{s:.3g}")
   if s >= 1:
     return f"{s:.3g} s"
   if s >= 1e-3:
@@ -283,9 +276,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   acts_of = [_peak_activations(plan, report, rank,
                                {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
              for rank in range(mesh.n_pp)]
-  loop = lowers_as_loop(plan, options)
-  per_tick = pipelined and not loop
-  if loop:
+  if lowers_as_loop(plan):
     # One program for every rank: each device allocates the stores of the rank that
     # keeps the most.
     acts_of = [max(acts_of)] * mesh.n_pp
@@ -335,8 +326,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     if pipelined and any(spec.regions[r].produces_loss for r in regions):
       working += int(model.loss_cotangent * scale)
     mem = MemoryEstimate(params, grads, opt, acts, copies, working,
-                         grads_with_activations=pipelined or m > 1,
-                         sums_copy=grads if per_tick else 0)
+                         grads_with_activations=pipelined or m > 1)
     if mem.total > peak.total:
       peak = mem
     # Data-parallel traffic per device: ZeRO 0/1 and pipelines reduce once a step and
@@ -429,9 +419,7 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
              options: LoweringOptions | None = None) -> Estimate:
   """The step time and peak memory per device `search` would estimate for `directives`
   (see `search` for what they count), without devices. `options` are the
-  `pj.compile` options the step would be lowered with (they choose between one loop
-  over the ticks, whose devices all hold the stores of the rank that keeps the most,
-  and the per-tick program).
+  `pj.compile` options the step would be lowered with.
 
   Raises:
     ValueError: for directives that do not plan.
