@@ -265,7 +265,7 @@ class ParamLayout:
     # and its head on the last share one); a rank fills the others' with zeros.
     self.unpacked_positions: list[tuple] = []
     self.unpacked_pos: dict[int, int] = {}
-    if self.n_pp > 1 and self.zero < 3 and options.unpack_in_pipelines:
+    if self.n_pp > 1 and self.zero < 3:
       per_rank: dict[int, list] = {}
       for p in sorted(self.cast):
         h = self.home[p]

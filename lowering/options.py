@@ -13,29 +13,10 @@ class LoweringOptions:
   """How a plan is lowered; none of these changes the numbers a step computes.
 
   Attributes:
-    tick_loop: lower the plan as one loop over all its ticks, the plan as data
-      (`lowering/tick_loop.py`): each region's passes compiled once, whatever the
-      schedule or the number of microbatches; `roll` and gradient buckets do not apply.
-      None (the default) chooses the loop for plans with microbatches or pipeline ranks
-      (gradient accumulation and stages sharing a device too) whose gradients are not
-      reduced in buckets (`replicate`'s bucket_mb under ZeRO-0), since the loop reduces
-      gradients once, after its last tick; expert and tensor parallel tasks run their
-      collectives inside the loop's switch, as the per-tick program does inside its own.
-      `roll=False` or `max_carry_depth` > 1, which only the per-tick program reads,
-      choose the per-tick program.
-    roll: run the schedule's steady state (ticks that repeat with later microbatches)
-      as one `lax.fori_loop` that XLA compiles once; False unrolls every tick (a
-      longer compile, for a slightly lower peak).
-    max_carry_depth: how many iterations back the rolled loop may read a value; deeper
-      carries let more schedules roll (DualPipeV and interleaved on 2 ranks with 8
-      microbatches at 4), at the cost of copying carried values each iteration.
     remat: B recomputes a residual made by elementwise equations from one value F
       stores in its place when that is no larger; None does so in pipelines only.
     cast_weights: weights the model reads only in a narrower dtype are cast once per
       step (in slots of their own), not by every task that reads them.
-    unpack_in_pipelines: a pipeline (any ZeRO stage) slices its cast weights into arrays of
-      their own once per step, which every tick passes through, instead of each task
-      slicing its weights from the packed segments.
     shard_masters: ZeRO-1/2 with weights read in a narrower dtype keep the fp32
       parameters sharded like the optimizer state and gather them in that dtype as the
       step starts (the distributed optimizer). A pipeline's ZeRO-3 always does.
@@ -44,8 +25,9 @@ class LoweringOptions:
       on the first stage) is stored spread evenly over all devices, parameters and
       optimizer state, and laid out per rank only inside the step: each device holds
       an even share of the state instead of the largest rank's, at the cost of
-      moving that slot's parameters and gradients once per step; worth it where the
-      optimizer state of a lopsided stage is what does not fit.
+      moving that slot's parameters and gradients once per step. False stacks every
+      slot over the ranks, each padded to its largest rank's part: no resharding, for
+      lopsided stages whose state fits anyway.
     slot_bytes: a region's leaves of one dtype fill slots of at most this many bytes,
       each its own buffer, so that one slot's update can run while another's gradients
       are still being reduced.
@@ -69,14 +51,10 @@ class LoweringOptions:
       GPUs a pipeline's conditionals and rolled loop run as CUDA graphs), `{}` XLA's.
   """
 
-  tick_loop: bool | None = None
-  roll: bool = True
-  max_carry_depth: int = 1
   remat: bool | None = None
   cast_weights: bool = True
-  unpack_in_pipelines: bool = True
   shard_masters: bool = True
-  spread_uneven_slots: bool = False
+  spread_uneven_slots: bool = True
   slot_bytes: int = 64 << 20
   column_sum_rows: int = 4096
   wide_weight_grads: bool = True
@@ -86,8 +64,6 @@ class LoweringOptions:
   compiler_options: Mapping[str, object] | None = None
 
   def __post_init__(self):
-    if self.max_carry_depth < 1:
-      raise ValueError(f"max_carry_depth must be >= 1, got {self.max_carry_depth}")
     if self.slot_bytes < 1:
       raise ValueError(f"slot_bytes must be >= 1, got {self.slot_bytes}")
 

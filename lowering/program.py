@@ -37,7 +37,6 @@ from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
                                         backward_weight, full_residuals, region_backward,
                                         region_forward, region_key, relabel, split_backward)
-from piper_jax.lowering.rolling import Window, find_window
 from piper_jax.lowering.schedule_table import pair_rounds
 from piper_jax.lowering.tick_loop import TickLoop
 from piper_jax.lowering.values import (Exchange, Kept, Location, Received, TickValues,
@@ -58,9 +57,9 @@ def _from_stored(fn, ad: RegionAD, split: BackwardSplit):
 
 
 def _plus_zero_of(x: jax.Array, after: jax.Array) -> jax.Array:
-  """`x` plus exactly 0 computed from `after` (a scalar; isfinite is 0 or 1): a data
+  """`x` plus exactly 0 computed from `after` (any shape; isfinite is 0 or 1): a data
   dependency XLA's CPU compiler keeps; its GPU compiler folds it away."""
-  return x + 0 * jnp.isfinite(after).astype(x.dtype)
+  return x + 0 * jnp.all(jnp.isfinite(after)).astype(x.dtype)
 
 
 def _waits_for(x: jax.Array, after: jax.Array) -> jax.Array:
@@ -74,12 +73,13 @@ def _waits_for(x: jax.Array, after: jax.Array) -> jax.Array:
 class _State:
   """What a step's ticks pass on: arrays by location, gradient sums, the loss."""
 
+  # The running sums of the loss and the aux leaves (`Program.sums`).
+  loss: jax.Array
   arrays: dict = dataclasses.field(default_factory=dict)
   # Gradient position -> sum; under `GradientSums.scatter_each_tick`, (slot, dtype) ->
   # this replica's reduce-scattered chunk.
   acc: dict = dataclasses.field(default_factory=dict)
   split_acc: dict = dataclasses.field(default_factory=dict)  # split leaves' pieces, by position
-  loss: Any = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.float32))
 
 
 # XLA's GPU command buffers (CUDA graphs) for a pipeline's step: XLA's default kinds
@@ -96,19 +96,14 @@ PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFER
                         "xla_gpu_graph_min_graph_size": 1}
 
 
-def lowers_as_loop(plan: Plan, options: LoweringOptions) -> bool:
-  """Whether `plan` is lowered as one loop over its ticks (`options.tick_loop`; None: for
-  plans with microbatches or pipeline ranks whose gradients are not reduced in buckets as
-  they become final, which the loop does not do: pipelines, gradient accumulation and
-  stages sharing a device alike, expert and tensor parallel tasks included)."""
-  if options.tick_loop is not None:
-    return options.tick_loop
-  if not options.roll or options.max_carry_depth > 1:
-    return False  # asked for the per-tick program's own unrolling or deeper carries
-  mesh = plan.mesh
-  # (A pipeline's ZeRO-3 gathers its weights as the step starts: `gathers_at_start`.)
-  buckets = mesh.zero == 0 and bool(plan.bucket_mb) and mesh.n_data > 1
-  return (mesh.n_pp > 1 or plan.n_microbatches > 1) and not buckets
+def lowers_as_loop(plan: Plan) -> bool:
+  """Whether `plan` is lowered as one loop over its ticks: every plan with microbatches or
+  pipeline ranks (pipelines, gradient accumulation, stages sharing a device, expert and
+  tensor parallel tasks, bucketed or not). A step of one microbatch on one rank has no
+  ticks that repeat: its ticks are written out one by one, so that XLA schedules the
+  step whole, overlapping bucketed all-reduces and ZeRO-3's prefetched gathers with the
+  backward as it does under `jax.jit`."""
+  return plan.mesh.n_pp > 1 or plan.n_microbatches > 1
 
 
 class Program:
@@ -130,18 +125,21 @@ class Program:
     self._analyze_regions(runner, plan, options)
     self.n_mb = plan.n_microbatches
     self.mbs = self.model.batch_size
+    for name, (r, _) in zip(runner.traced.aux_names, runner.traced.aux_outputs):
+      if runner.io_local(r):
+        raise ValueError(f"{name} is computed inside an expert-parallel region, on the tokens "
+                         f"routed to this device's experts: compute it outside "
+                         f"pj.annotate('EP'), from values every device holds whole")
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self.grads = GradientSums(self.model, plan, layout, self.ad, self.reduce_dtype)
-    if lowers_as_loop(plan, options):
+    if lowers_as_loop(plan):
       # The loop finds its values through its own table (`schedule_table`), not the
       # per-tick positions, and reduces gradients once, after its last tick.
       self.tick_loop, self.ticks, self.loc, self.buckets = TickLoop(self), [], {}, {}
     else:
       self.tick_loop = None
       self._plan_values()
-    self.window = (find_window(self, max_depth=options.max_carry_depth)
-                   if options.roll and self.tick_loop is None else None)
     self._passes: dict[tuple, Any] = {}
     # XLA's CPU runtime runs independent operations concurrently, in any order, and a
     # conditional does not count as a collective: a device could enter a tick's switch
@@ -185,6 +183,10 @@ class Program:
         cts = [out_avals[k] for k in self.ad[r].float_outs]
         self.split[r] = split_backward(self.ad[r], cts, runner.axis_env, wide,
                                        options.slim_carry, options.column_sum_rows)
+
+  def sums(self) -> jax.Array:
+    """Zero running sums of what a step reports: the loss, then each aux leaf."""
+    return jnp.zeros((1 + len(self.traced.aux_outputs),), jnp.float32)
 
   def compiler_options(self, platform: str) -> dict:
     """XLA options for this program's step on `platform` (`jax.jit`'s `compiler_options`);
@@ -305,8 +307,9 @@ class Program:
     return lax.switch(lax.axis_index("pp"), branches, operands)
 
   def body(self, params: dict, batch: list):
-    """One training step on local shards -> (grads like params, summed mean loss)."""
-    st = _State()
+    """One training step on local shards -> (grads like params, [mean loss, *mean aux
+    leaves])."""
+    st = _State(self.sums())
     layout = self.layout
     if layout.shards_masters:  # whole for the step, cast slots gathered in bf16
       with jax.named_scope("pj:step start"):
@@ -345,25 +348,18 @@ class Program:
     return out, loss
 
   def _run_ticks(self, st: "_State", params: dict, batch: list) -> None:
-    """The plan's ticks one by one, the rolled window (if any) as one loop."""
-    w, t, n = self.window, 0, len(self.plan.ticks)
-    ahead = None
-    while t < n:
-      if w is not None and t == w.start:
-        with jax.named_scope(f"pj:ticks {w.start}-{w.stop - 1} rolled"):
-          self._loop(w, st, params, batch)
-        t, ahead = w.stop, None
-        continue
+    """The plan's ticks one by one."""
+    ahead, n = None, len(self.plan.ticks)
+    for t in range(n):
       with jax.named_scope(f"pj:tick {t}"):
         # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
         # can run beside it (prefetched one tick ahead); what both ticks read is gathered
         # once.
         gathered = ahead or (self._gather(t, params, after=st.loss)
                              if self.layout.zero == 3 else None)
-        ahead = (self._gather(t + 1, params, gathered, after=st.loss) if gathered and t + 1 < n
-                 and (w is None or t + 1 != w.start) else None)
-        self._tick(t, st, params, batch, 0, gathered=gathered)
-      t += 1
+        ahead = (self._gather(t + 1, params, gathered, after=st.loss)
+                 if gathered and t + 1 < n else None)
+        self._tick(t, st, params, batch, gathered=gathered)
 
   def _read(self, tick_i: int) -> set[int]:
     """The parameter leaves tick `tick_i` reads."""
@@ -412,14 +408,11 @@ class Program:
     cast = {key: get(key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
     return segs, cast
 
-  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list, shift, loc=None,
-            gathered: tuple[dict, dict] | None = None, in_order: bool = False):
-    """Runs tick `tick_i` (its microbatches `shift` later) and its collectives on `st`;
-    `loc` overrides where its reads are found ((key, rank) -> location); `gathered`:
-    the tick's ZeRO-3 segments if already all-gathered (`_gather`); `in_order`: the
-    tick's switch waits for the previous tick's, even where it reads nothing from it."""
-    plan, layout = self.plan, self.layout
-    loc = self.loc if loc is None else loc
+  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list,
+            gathered: tuple[dict, dict] | None = None):
+    """Runs tick `tick_i` and its collectives on `st`; `gathered`: the tick's ZeRO-3
+    segments if already all-gathered (`_gather`)."""
+    plan, layout, loc = self.plan, self.layout, self.loc
     zero, axes = layout.zero, self.data_axes
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
     read = self._read(tick_i)
@@ -444,15 +437,12 @@ class Program:
     operands = {"arrays": {k: st.arrays[k] for k in reads},
                 "params": params if segs is None else segs, "cast": cast, "split": split,
                 "leaves": leaves,
-                "batch": batch, "acc": acc_in, "shift": jnp.asarray(shift, jnp.int32)}
+                "batch": batch, "acc": acc_in}
     branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
                 for rank in range(plan.n_ranks)]
-    if in_order or self.order_collectives:
-      # In a rolled loop, a tick that reads a carried value must run before the later
-      # tick that makes its successor, or XLA copies the value every iteration (ZB's
-      # F-only ticks read nothing of the tick before them): every branch reads the loss
-      # so far (an optimization barrier around the operands does not survive XLA). Under
-      # `order_collectives` the loss also depends on the collectives before this tick.
+    if self.order_collectives:
+      # Every branch reads the loss so far, which depends on the collectives before this
+      # tick (an optimization barrier around the operands does not survive XLA).
       operands["after"] = st.loss
     keep, rounds, grads, tick_loss = self._switch(branches, operands)
     st.loss = st.loss + tick_loss
@@ -492,63 +482,6 @@ class Program:
       st.loss = _plus_zero_of(st.loss, x.reshape(-1)[0])
     return x
 
-  def _loop(self, w: Window, st: "_State", params: dict, batch: list):
-    """Ticks [w.start, w.stop) as a `lax.fori_loop` over the first `w.length` of them."""
-    body_ticks = range(w.start, w.start + w.length)
-    # Every sum the loop adds to exists before it, so the carry keeps one structure.
-    for t in body_ticks:
-      grads = self.ticks[t].grads
-      for pos in grads:
-        if pos >= self.grads.split0:
-          st.split_acc.setdefault(pos, zeros_of(self.grads.positions[pos]))
-        elif not self.grads.scatter_each_tick:
-          st.acc.setdefault(pos, zeros_of(self.grads.positions[pos]))
-      if self.grads.scatter_each_tick:
-        for key in self.grads.segment_keys([p for p in grads if p < self.grads.split0]):
-          size = self.layout.segment_size(*key) // self.n_data
-          st.acc.setdefault(key, jnp.zeros((size,), jnp.dtype(key[1])))
-    acc_keys, split_keys = sorted(st.acc, key=str), sorted(st.split_acc)
-    reads = dict(w.reads)
-
-    def iteration(j, c):
-      inner = _State(dict(zip(w.carry, c["carry"])), dict(zip(acc_keys, c["acc"])),
-                     dict(zip(split_keys, c["split"])), c["loss"])
-      for t in body_ticks:
-        self._tick(t, inner, params, batch, j * w.mb_shift, reads, in_order=True)
-      return {"carry": [inner.arrays[k.shifted(w.length)] for k in w.carry],
-              "exits": [inner.arrays[k] for k in w.exits],
-              "acc": [inner.acc[k] for k in acc_keys],
-              "split": [inner.split_acc[k] for k in split_keys], "loss": inner.loss}
-
-    init = {"carry": [self._entry_value(st.arrays, e) for e in w.entry],
-            "exits": [zeros_of(self.loc_signature(k)) for k in w.exits],
-            "acc": [st.acc[k] for k in acc_keys], "split": [st.split_acc[k] for k in split_keys],
-            "loss": st.loss}
-    out = lax.fori_loop(0, w.iters, iteration, init)
-    last = (w.iters - 1) * w.length
-    st.arrays.update({k.shifted(last + w.length): x for k, x in zip(w.carry, out["carry"])})
-    st.arrays.update({k.shifted(last): x for k, x in zip(w.exits, out["exits"])})
-    st.acc = dict(zip(acc_keys, out["acc"]))
-    st.split_acc = dict(zip(split_keys, out["split"]))
-    st.loss = out["loss"]
-
-  def _entry_value(self, arrays: dict, entry: tuple) -> jax.Array:
-    """A carried array as the loop's first iteration reads it: on each pipeline rank, the
-    array at that rank's location before the loop (`Window.entry`)."""
-    where = dict(entry)
-    locs = sorted(set(where.values()), key=str)
-    if len(locs) == 1:
-      return arrays[locs[0]]
-    table = jnp.asarray([locs.index(where.get(r, locs[0])) for r in range(self.plan.n_ranks)])
-    return lax.select_n(table[lax.axis_index("pp")], *[arrays[k] for k in locs])
-
-  def loc_signature(self, loc: Location) -> tuple:
-    """(shape, dtype) of the array at a value location."""
-    info = self.ticks[loc.tick]
-    if isinstance(loc, Kept):
-      return info.keep_positions[loc.pos]
-    return info.rounds[loc.round].positions[loc.pos]
-
   def gather_split_pieces(self, local: list[jax.Array], read: set[int]) -> list[jax.Array]:
     """Split weights' pieces for a tick that reads parameters `read`; under ZeRO-3 those
     pieces are all-gathered over their copies (the others stay sharded: no task of
@@ -571,7 +504,7 @@ class Program:
     spec, ad = model.regions[r], self.ad[r]
     params = [param(p) for p in spec.params]
     ep = self.runner.io_local(r)
-    loss = jnp.zeros((), jnp.float32)
+    loss = self.sums()
     if pass_ is Pass.F:
       acts = [read(ValueKey(ValueKind.ACT, x.region, m, x.output)) for x in spec.inputs]
       if ep:
@@ -585,7 +518,10 @@ class Program:
       for k, x in enumerate(stored):
         made[ValueKey(ValueKind.RES, r, m, k)] = x
       if spec.produces_loss:
-        loss = loss + outs[self.traced.loss_output()].astype(jnp.float32)
+        loss = loss.at[0].add(outs[self.traced.loss_output()].astype(jnp.float32))
+      for j, (region, k) in enumerate(self.traced.aux_outputs):
+        if region == r:
+          loss = loss.at[1 + j].add(outs[k].astype(jnp.float32))
       return loss
     acts = [None] * len(spec.inputs)
     outs = [None] * len(spec.outputs)
@@ -665,12 +601,12 @@ class Program:
       param = self.param_reader(ops, gathered)
 
       def batch_mb(r, m):
-        return [lax.dynamic_slice_in_dim(ops["batch"][i], (m + ops["shift"]) * self.mbs,
+        return [lax.dynamic_slice_in_dim(ops["batch"][i], m * self.mbs,
                                          self.mbs, 0)
                 for i in model.regions[r].batch]
 
       grad_acc: dict[int, jax.Array] = {}
-      loss = jnp.zeros((), jnp.float32)
+      loss = self.sums()
       for t in tasks:
         loss = loss + self.run_task(t.region, t.pass_, t.mb, read, param,
                                     batch_mb(t.region, t.mb), env, grad_acc)
@@ -702,7 +638,7 @@ class Program:
       keep = fill(keep_pos, keep_where)
       rounds = [fill(rnd.positions, rnd.where) for rnd in info.rounds]
       grads = self.grads.tick_sums(rank, grad_acc, info.grads, ops["acc"], filler)
-      if "after" in ops:  # ordering only (`_tick`'s in_order); a non-finite loss stays so
+      if "after" in ops:  # ordering only (`order_collectives`); a non-finite loss stays so
         loss = loss + 0 * ops["after"]
       return keep, rounds, grads, loss
 

@@ -135,7 +135,7 @@ class TracedLoss:
   region `r` on (params, batch leaves, activations) in the order of its spec.
   """
 
-  def __init__(self, loss_fn: Callable, params: Any, batch: Any):
+  def __init__(self, loss_fn: Callable, params: Any, batch: Any, has_aux: bool = False):
     aval = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
     # Shapes only: holding the example arrays would keep a copy of the model alive.
     self.param_leaves = [(path, aval(x)) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -154,20 +154,44 @@ class TracedLoss:
     n_p = len(p_avals)
     param_tree, batch_tree = self.param_tree, self.batch_tree
 
+    aux_paths: list = []
+
     def flat_loss(*leaves):
       p = jax.tree_util.tree_unflatten(param_tree, leaves[:n_p])
       b = jax.tree_util.tree_unflatten(batch_tree, leaves[n_p:])
-      return loss_fn(p, b)
+      out = loss_fn(p, b)
+      if not has_aux:
+        return out
+      if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError("with has_aux=True, loss_fn(params, batch) must return (loss, aux), "
+                         "as for jax.value_and_grad(has_aux=True)")
+      loss, aux = out
+      found, tree = jax.tree_util.tree_flatten_with_path(aux)
+      aux_paths.extend(path for path, _ in found)
+      self.aux_tree = tree
+      return (loss, *[x for _, x in found])
 
     reset_counters()
+    self.aux_tree = None
     closed = jax.make_jaxpr(flat_loss)(*p_avals, *b_avals)
     jaxpr = closed.jaxpr
-    if len(jaxpr.outvars) != 1 or jaxpr.outvars[0].aval.shape != ():
-      raise ValueError("loss_fn(params, batch) must return one scalar (the mean loss)")
+    if not has_aux and len(jaxpr.outvars) != 1:
+      raise ValueError("loss_fn(params, batch) must return one scalar (the mean loss); one that "
+                       "returns (loss, aux) is compiled with pj.compile(..., has_aux=True)")
+    if jaxpr.outvars[0].aval.shape != ():
+      raise ValueError(f"loss_fn(params, batch) must return one scalar (the mean loss), got "
+                       f"shape {tuple(jaxpr.outvars[0].aval.shape)}")
+    self.aux_names = [f"aux{jax.tree_util.keystr(path)}" for path in aux_paths]
+    for name, v in zip(self.aux_names, jaxpr.outvars[1:]):
+      if v.aval.shape != () or not jnp.issubdtype(v.aval.dtype, jnp.inexact):
+        raise ValueError(f"{name} has shape {tuple(v.aval.shape)} and dtype {v.aval.dtype}: aux "
+                         f"holds float scalars, per-batch means (combined over microbatches "
+                         f"and replicas as the loss is); reduce it to a mean inside loss_fn")
     self.consts = dict(zip(jaxpr.constvars, closed.consts))
     self.param_vars = list(jaxpr.invars[:n_p])
     self.batch_vars = list(jaxpr.invars[n_p:])
     self.loss_var = jaxpr.outvars[0]
+    self.aux_vars = list(jaxpr.outvars[1:])
     self.regions = self._cut(jaxpr)
     self.partition_names = _partition_names(params)
     self.spec = self._spec(p_names, p_avals, b_names, b_avals, batch_size)
@@ -220,9 +244,17 @@ class TracedLoss:
     if isinstance(self.loss_var, Literal) or self.loss_var not in defined_in:
       raise ValueError("the loss does not depend on any computation of the model")
     needed_later.setdefault(self.loss_var, set()).add(-1)
+    for name, v in zip(self.aux_names, self.aux_vars):
+      if isinstance(v, Literal) or v not in defined_in:
+        raise ValueError(f"{name} is a constant or an input of loss_fn, not computed from the "
+                         f"batch: return only values the model computes in aux")
+      needed_later.setdefault(v, set()).add(-1)
     for i, r in enumerate(regions):
       r.out_vars = [v for e in r.eqns for v in e.outvars if v in needed_later]
     self.loss_region = defined_in[self.loss_var]
+    # Where each aux leaf is made: (region, output index).
+    self.aux_outputs = [(defined_in[v], regions[defined_in[v]].out_vars.index(v))
+                        for v in self.aux_vars]
     self.defined_in = defined_in
     return regions
 
@@ -292,6 +324,7 @@ class TracedLoss:
     return self.regions[self.loss_region].out_vars.index(self.loss_var)
 
 
-def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
-  """Traces `loss_fn(params, batch)` and cuts it into `pj.annotate` regions."""
-  return TracedLoss(loss_fn, params, batch)
+def trace_loss(loss_fn: Callable, params: Any, batch: Any, has_aux: bool = False) -> TracedLoss:
+  """Traces `loss_fn(params, batch)` and cuts it into `pj.annotate` regions; with
+  `has_aux` it returns (loss, aux), aux a pytree of float scalars."""
+  return TracedLoss(loss_fn, params, batch, has_aux)

@@ -27,20 +27,15 @@ class ValueKey:
   mb: int
   index: int
 
-  def shifted(self, mbs: int) -> "ValueKey":
-    """The same value `mbs` microbatches later."""
-    # The constructor, not dataclasses.replace: finding a steady state shifts ~10^5 keys.
-    return ValueKey(self.kind, self.region, self.mb + mbs, self.index)
-
   def __str__(self) -> str:
     return f"{self.kind.value}:r{self.region}:mb{self.mb}:{self.index}"
 
-  __repr__ = __str__  # windows and tables print hundreds of keys
+  __repr__ = __str__  # tables print hundreds of keys
 
 
 class _Location:
   """What `Kept` and `Received` share: both kinds sort together (JAX sorts a pytree
-  dict's keys), move by ticks, and print as their `__str__` (tables print hundreds)."""
+  dict's keys) and print as their `__str__` (tables print hundreds)."""
 
   tick: int
 
@@ -49,10 +44,6 @@ class _Location:
 
   def __lt__(self, other: "_Location") -> bool:
     return self._order() < other._order()
-
-  def shifted(self, ticks: int):
-    """The same location `ticks` ticks later."""
-    raise NotImplementedError
 
   def __repr__(self) -> str:
     return str(self)
@@ -65,9 +56,6 @@ class Kept(_Location):
   tick: int
   pos: int
 
-  def shifted(self, ticks: int) -> "Kept":
-    return Kept(self.tick + ticks, self.pos)
-
   def __str__(self) -> str:
     return f"keep:t{self.tick}:{self.pos}"
 
@@ -79,9 +67,6 @@ class Received(_Location):
   tick: int
   round: int
   pos: int
-
-  def shifted(self, ticks: int) -> "Received":
-    return Received(self.tick + ticks, self.round, self.pos)
 
   def __str__(self) -> str:
     return f"recv:t{self.tick}:{self.round}:{self.pos}"

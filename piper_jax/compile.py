@@ -17,14 +17,10 @@ from piper_jax.ir.errors import DeviceIndexError
 from piper_jax.ir.graph import Graph, NodeKind
 from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
 from piper_jax.ir.plan import Plan
-from piper_jax.lowering import compat
-from piper_jax.lowering.collectives import StepCollective, collectives_table, step_collectives
-from piper_jax.lowering.layout import ParamLayout
-from piper_jax.lowering.local import RegionRunner, SplitAxis
-from piper_jax.lowering.optimizer import packed_update_reason
-from piper_jax.lowering.options import LoweringOptions
-from piper_jax.lowering.program import Program
-from piper_jax.lowering.trace import check_leaf, trace_loss
+from piper_jax.lowering import (LoweringOptions, ParamLayout, Program, RegionRunner, SplitAxis,
+                                StepCollective, check_leaf, collectives_table,
+                                packed_update_reason, shard_map_unchecked, step_collectives,
+                                trace_loss)
 from piper_jax.check import check as check_step
 from piper_jax.memory import CompiledMemory
 
@@ -59,7 +55,7 @@ class TrainState:
     return f"TrainState(params={self.params!r}, opt_state={self.opt_state!r})"
 
 
-def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
+def _traced_plan(loss_fn, directives, params, example_batch, n_devices, has_aux=False):
   """Traces the loss at the microbatch size and plans it.
 
   The microbatch size depends on the mesh and the microbatches, which placing the
@@ -74,20 +70,20 @@ def _traced_plan(loss_fn, directives, params, example_batch, n_devices):
       example_batch)
   guess = _guess_microbatch(directives, batch_size)
   if guess is not None and guess < batch_size:
-    traced = trace_loss(loss_fn, params, at(guess))
+    traced = trace_loss(loss_fn, params, at(guess), has_aux)
     try:
       plan = make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
     except Exception:  # noqa: BLE001 - planned again below, where the error is raised
       plan = None
     if plan is not None and batch_size == guess * plan.mesh.n_data * plan.n_microbatches:
       return traced, plan
-  traced = trace_loss(loss_fn, params, example_batch)
+  traced = trace_loss(loss_fn, params, example_batch, has_aux)
   placed = place_graph(traced.spec, directives, n_devices)
   mbs = batch_size // (placed.mesh.n_data * placed.n_microbatches)
   if mbs == batch_size:
     return traced, finish_plan(traced.spec, directives, placed)
   full = traced
-  traced = trace_loss(loss_fn, params, at(mbs))
+  traced = trace_loss(loss_fn, params, at(mbs), has_aux)
   if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
     raise ValueError("the model's regions depend on the batch size; annotate regions the "
                      "same way for every batch size")
@@ -107,29 +103,32 @@ def _guess_microbatch(directives, batch_size: int) -> int | None:
   return batch_size // ways
 
 
-def plan(loss_fn: Callable, directives, params: Any, example_batch: Any, n_devices: int) -> Plan:
+def plan(loss_fn: Callable, directives, params: Any, example_batch: Any, n_devices: int,
+         has_aux: bool = False) -> Plan:
   """Builds and checks the plan of a strategy without devices (shapes are enough).
 
   `params` and `example_batch` may be `jax.ShapeDtypeStruct` pytrees; nothing is
   compiled or placed, so plans for thousands of devices can be checked and
   simulated (`.simulate(costs)`, `.timeline(path)`) on one CPU.
   """
-  return _traced_plan(loss_fn, load_directives(directives), params, example_batch, n_devices)[1]
+  return _traced_plan(loss_fn, load_directives(directives), params, example_batch, n_devices,
+                      has_aux)[1]
 
 
 class TrainStep:
-  """A compiled training step. `init(params) -> state`, `step(state, batch) -> (state, loss)`."""
+  """A compiled training step. `init(params) -> state`, `step(state, batch) -> (state, loss)`
+  (`(state, (loss, aux))` for a loss_fn compiled with `has_aux`)."""
 
   def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                directives: Sequence[Directive] | str, params: Any, example_batch: Any,
                devices: Sequence[jax.Device] | None = None,
-               options: LoweringOptions | None = None):
+               options: LoweringOptions | None = None, has_aux: bool = False):
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
-    self.loss_fn, self.optimizer = loss_fn, optimizer
+    self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, has_aux
     try:
       traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch,
-                                  len(self.devices))
+                                  len(self.devices), has_aux)
     except DeviceIndexError as e:
       if self.devices[0].platform == "cpu":
         e.args = (f"{e.args[0]}. On the CPU, JAX makes N devices when told before it starts: "
@@ -164,7 +163,7 @@ class TrainStep:
     n_batch = len(traced.spec.batch)
     batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")
     # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
-    body = compat.shard_map_unchecked(self._program.body, self.mesh,
+    body = shard_map_unchecked(self._program.body, self.mesh,
                       in_specs=(layout.specs(sharded, sharded, working=True), [batch_spec] * n_batch),
                       out_specs=(layout.specs(zero >= 1, zero >= 1, working=True), P()))
     to_sharding = lambda specs: jax.tree_util.tree_map(
@@ -195,7 +194,9 @@ class TrainStep:
     replicated = NamedSharding(self.mesh, P())
 
     def step_fn(state: TrainState, batch: list):
-      grads, loss = body(layout.to_working(state.params), batch)
+      grads, sums = body(layout.to_working(state.params), batch)
+      loss = (sums[0], jax.tree_util.tree_unflatten(traced.aux_tree, list(sums[1:]))
+              ) if has_aux else sums[0]
       grads = layout.from_working(grads)
       if self.leaf_update is None:
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -338,18 +339,15 @@ class TrainStep:
     return (self._compiled or self._step)(state, self._batch_leaves(batch))
 
   @property
-  def tick_loop(self) -> bool:
-    """Whether the step runs as one loop over all its ticks (`LoweringOptions.tick_loop`;
-    by default for every plan with microbatches or pipeline ranks whose gradients are not
-    reduced in buckets) rather than per tick."""
-    return self._program.tick_loop is not None
+  def aux_names(self) -> list[str]:
+    """With `has_aux`, each aux leaf's name ("aux['ce']"), in `tree_leaves` order."""
+    return list(self._traced.aux_names)
 
   @property
-  def rolled(self):
-    """In the per-tick program, the ticks run as one loop (`LoweringOptions.roll`, the
-    default): a `Window` with `start`, `stop`, `length` and `iters`, or None when the
-    step unrolls every tick or runs as one loop over all ticks (`tick_loop`)."""
-    return self._program.window
+  def tick_loop(self) -> bool:
+    """Whether the step runs as one loop over all its ticks: every plan with microbatches
+    or pipeline ranks does; a step of one microbatch on one rank writes its ticks out."""
+    return self._program.tick_loop is not None
 
   def collectives(self) -> list[StepCollective]:
     """The collectives one step runs: read from the step's traced program (so they are
@@ -400,7 +398,7 @@ class TrainStep:
     lowered = (f"one loop over all ticks: {len(loop.table.kinds)} task kinds, "
                f"{len(loop.table.stores)} value stores of {loop.table.store_bytes / 2**20:.1f} MiB "
                f"on every device" if loop is not None else
-               "per tick" + (", steady state rolled" if self.rolled else ""))
+               "tick by tick: one microbatch on one rank")
     return "\n".join([str(self.plan),
                       f"lowering options: {changed or 'defaults'} (lowered {lowered})",
                       "collectives the compiled step runs (per step; in a switch, summed "
@@ -441,7 +439,7 @@ class TrainStep:
         [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype)
          for x in self._traced.spec.batch])
     return TrainStep(self.loss_fn, optimizer, self.directives, params, batch, self.devices,
-                     self.options)
+                     self.options, self.has_aux)
 
   def lower(self, state: TrainState, batch: Any):
     """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""
@@ -534,12 +532,15 @@ def _is_buffers(x) -> bool:
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
             params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None,
-            options: LoweringOptions | None = None, *, roll: bool | None = None,
+            options: LoweringOptions | None = None, *, has_aux: bool = False,
             remat: bool | None = None, compiler_options: dict | None = None) -> TrainStep:
   """Compiles a training step of `loss_fn(params, batch)` under a directive list.
 
   Args:
     loss_fn: the mean loss over the batch's leading axis, with `pj.annotate` regions.
+    has_aux: `loss_fn` returns `(loss, aux)`, as for `jax.value_and_grad(has_aux=True)`:
+      aux a pytree of float scalars, per-batch means (metrics), which the step combines
+      over microbatches and replicas as it does the loss and returns as `(loss, aux)`.
     optimizer: any optax transformation (see `TrainStep.leaf_update`).
     directives: a list of directives, Piper JSON dicts, or a path to a Piper JSON file.
     params: the parameters (or their shapes) the step will train.
@@ -547,13 +548,14 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
     devices: the devices directive indices refer to; default `jax.devices()`.
     options: a `LoweringOptions`, every switch of how the plan is lowered; None takes
       the defaults. None of them changes the numbers.
-    roll, remat, compiler_options: shorthands for the options of those names, which
+    remat, compiler_options: shorthands for the options of those names, which
       they replace when given.
 
   Returns:
     A `TrainStep`.
   """
-  given = {k: v for k, v in (("roll", roll), ("remat", remat),
-                             ("compiler_options", compiler_options)) if v is not None}
+  given = {k: v for k, v in (("remat", remat), ("compiler_options", compiler_options))
+           if v is not None}
   options = dataclasses.replace(options or LoweringOptions(), **given)
-  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, options)
+  return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, options,
+                   has_aux)

@@ -189,17 +189,3 @@ def shard_map_body(jaxpr):
       inner = getattr(inner, "jaxpr", inner)
       if isinstance(inner, Jaxpr) and (found := shard_map_body(inner)):
         return found
-
-
-def jaxpr_ancestors(jaxpr, i) -> set:
-  """Indices of the equations whose outputs equation i of `jaxpr` depends on."""
-  from jax.extend.core import Var
-  made_by = {v: j for j, e in enumerate(jaxpr.eqns) for v in e.outvars}
-  seen, todo = set(), [i]
-  while todo:
-    for v in jaxpr.eqns[todo.pop()].invars:
-      j = made_by.get(v) if isinstance(v, Var) else None
-      if j is not None and j not in seen:
-        seen.add(j)
-        todo.append(j)
-  return seen

@@ -292,10 +292,7 @@ def test_pipeline_weights_unpacked_once(schedule, zero, monkeypatch):
   batches = [models.random_batch(jax.random.PRNGKey(i), 8) for i in range(2)]
   tx = models.optimizer()
   directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=2 if zero else 1, zero=zero)
-  # The per-tick program, whose every tick's task would slice its own weights.
-  per_tick = pj.LoweringOptions(tick_loop=False)
-  losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives,
-                                              options=per_tick)
+  losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
   layout = step._layout
   assert layout.cast and set(layout.unpacked_pos) == layout.cast
   # Each sliced once, in the unpacking (in fp32, or gathered in bf16 under ZeRO-1/2).
@@ -304,12 +301,8 @@ def test_pipeline_weights_unpacked_once(schedule, zero, monkeypatch):
   # (1F1B: the first rank's embedding and the last rank's head share one).
   per_rank = collections.Counter(layout.home[p].rank for p in layout.cast)
   assert len(layout.unpacked_positions) == max(per_rank.values())
-  sliced = pj.compile(loss_fn, tx, directives, params, batches[0],
-                      options=pj.LoweringOptions(unpack_in_pipelines=False, tick_loop=False))
-  assert not sliced._layout.unpacked_pos
-  assert _bf16_weight_slices(sliced, sliced.init(params), batches[0]) > 2 * len(layout.cast)
   _same_as_without_casts(loss_fn, params, batches, tx, directives, losses, got,
-                         sgd=schedule == "1f1b", options=per_tick)
+                         sgd=schedule == "1f1b")
 
 
 def test_fp32_model_has_no_weight_casts():

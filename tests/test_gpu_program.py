@@ -1,12 +1,12 @@
 """The program a GPU runs, built and lowered on CPU devices.
 
-`pj.compile` builds a different program on GPUs than the CPU tests run: on CPU every
-tick's switch waits for every collective before it (`Program.order_collectives`, set
-because XLA's CPU runtime runs independent operations in any order and hung an EP
-pipeline); a GPU runs one program order, where a ppermute or a per-tick reduce-scatter
-overlaps the next tick's work, so no such dependency may be added there. On GPUs the
-step's jit also takes `Program.compiler_options("gpu")` (the per-tick conditionals and
-the rolled loop as CUDA graphs), and bf16 weight-gradient GEMMs read bf16 and write fp32
+`pj.compile` builds a different program on GPUs than the CPU tests run: on CPU a step
+written out tick by tick makes every tick wait for every collective before it
+(`Program.order_collectives`, set because XLA's CPU runtime runs independent operations
+in any order and hung an EP step); a GPU runs one program order, where a bucket's
+all-reduce overlaps the next tick's work, so no such dependency may be added there. On
+GPUs a pipeline's jit also takes `Program.compiler_options("gpu")` (the loop's
+conditionals and the loop itself as CUDA graphs), and bf16 weight-gradient GEMMs read bf16 and write fp32
 (`regions.WIDE_WEIGHT_GRADS`; the CPU widens their operands first). Here the GPU's
 `Program` is put in `pj.compile`'s place (`_gpu_program`), and the step is traced,
 lowered for CUDA (`jax.stages.Traced.lower(lowering_platforms=("cuda",))`, which needs
@@ -23,14 +23,12 @@ import pytest
 
 import piper_jax as pj
 from examples import gpt
-from models import (assert_same_run, init_mlp, jaxpr_ancestors, mlp_loss, optimizer, random_batch,
+from models import (assert_same_run, init_mlp, mlp_loss, optimizer, random_batch,
                     shard_map_body)
 from piper_jax.ir.directives import Replicate
 from piper_jax.lowering.program import PIPELINE_XLA_OPTIONS, Program
 
 pytestmark = pytest.mark.timeout(240)
-# The per-tick program, for what only it has (a rolled steady state, one switch a tick).
-PER_TICK = pj.LoweringOptions(tick_loop=False)
 
 _COMPILE = sys.modules["piper_jax.compile"]  # `piper_jax.compile` is also the function
 _COLLECTIVES = ("ppermute", "reduce_scatter", "psum", "all_gather", "all_to_all")
@@ -52,7 +50,7 @@ def gpu_program(monkeypatch):
   monkeypatch.setattr(_COMPILE, "Program", _GPUProgram)
 
 
-def _pipeline_step(n_stages=2, n_mb=8, dp=2, zero=2, roll=True, bucket_mb=None):
+def _pipeline_step(n_stages=2, n_mb=8, dp=2, zero=2, bucket_mb=None):
   """A 1F1B x DP step of the test MLP on n_stages * dp CPU devices (ZeRO-0 with
   `bucket_mb`: an all-reduce in the tick where a bucket's gradients are final), with its
   state and batch."""
@@ -63,8 +61,7 @@ def _pipeline_step(n_stages=2, n_mb=8, dp=2, zero=2, roll=True, bucket_mb=None):
     directives = [dataclasses.replace(d, bucket_mb=bucket_mb) if isinstance(d, Replicate)
                   else d for d in directives]
   step = pj.compile(loss, optimizer(), directives, params, batch,
-                    devices=jax.devices()[:n_stages * dp], roll=roll,
-                    options=pj.LoweringOptions(tick_loop=False))
+                    devices=jax.devices()[:n_stages * dp])
   return step, step.init(params), batch
 
 
@@ -72,89 +69,39 @@ def _traced(step, state, batch):
   return step._step.trace(state, step._batch_leaves(batch))
 
 
-def _loop_body(body):
-  """The rolled loop's body (`lax.fori_loop` over a static range: a scan)."""
-  loops = [e for e in body.eqns if e.primitive.name in ("scan", "while")]
-  assert len(loops) == 1, [e.primitive.name for e in loops]
-  e = loops[0]
-  inner = e.params["jaxpr"] if e.primitive.name == "scan" else e.params["body_jaxpr"]
-  return getattr(inner, "jaxpr", inner)
+def _bucketed_dp_step(n_devices=2):
+  """DP with one microbatch and gradient buckets (the step written out tick by tick, an
+  all-reduce in the tick where a bucket's gradients are final), its state and batch."""
+  loss, params = mlp_loss(2), init_mlp(jax.random.PRNGKey(0), 2)
+  batch = random_batch(jax.random.PRNGKey(1), 8 * n_devices)
+  directives = [dataclasses.replace(d, bucket_mb=1e-3) if isinstance(d, Replicate) else d
+                for d in pj.strategies.data_parallel(n_devices)]
+  step = pj.compile(loss, optimizer(), directives, params, batch,
+                    devices=jax.devices()[:n_devices])
+  return step, step.init(params), batch
 
 
-def _tick_switches(jaxpr) -> list[int]:
-  """Indices of the ticks' switches among `jaxpr`'s equations: the conditionals that
-  return a tick's loss (not ZeRO-2's per-rank layout of a tick's gradients, which
-  switches on the rank too)."""
-  return [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "cond"
-          and any(v.aval.shape == () and v.aval.dtype == jnp.float32 for v in e.outvars)]
-
-
-def _unordered(jaxpr):
-  """(switch, collective) pairs of `jaxpr`'s equations where the collective comes first
-  but the tick's switch does not wait for it."""
-  names = [e.primitive.name for e in jaxpr.eqns]
-  conds = _tick_switches(jaxpr)
-  colls = [i for i, n in enumerate(names) if n in _COLLECTIVES]
-  assert conds and colls, names
-  return [(c, p) for c in conds for p in colls if p < c and p not in jaxpr_ancestors(jaxpr, c)]
-
-
-def _bodies(step, state, batch) -> list:
-  """The step's shard_map body and, if it rolls, its loop's body."""
-  body = shard_map_body(_traced(step, state, batch).jaxpr.jaxpr)
-  return [body] + ([_loop_body(body)] if step.rolled else [])
-
-
-# 1F1B over 4 ranks: rank 2 receives microbatch 2's activation at tick 3 and runs its F
-# at tick 6, so tick 4's switch need not wait for that ppermute. A gradient bucket's
-# all-reduce is read by no later tick.
-@pytest.mark.parametrize("n_stages,dp,bucket_mb,overlapped", [(4, 1, None, {"ppermute"}),
-                                                              (2, 2, 1e-3, {"psum"})])
-def test_gpu_ticks_do_not_wait_for_unrelated_collectives(n_stages, dp, bucket_mb, overlapped,
-                                                          gpu_program, monkeypatch):
-  # The step a GPU runs is the CPU's without the waits: a tick's switch depends on a
-  # collective before it only when it reads its result, so the collective can run
-  # beside the next tick's work.
-  zero = 0
-  step, state, batch = _pipeline_step(n_stages, dp=dp, zero=zero, bucket_mb=bucket_mb)
-  assert not step._program.order_collectives
-  assert (step.rolled is not None) == (n_stages == 2)
-  bodies = _bodies(step, state, batch)
-  unordered = [{j.eqns[p].primitive.name for _, p in _unordered(j)} for j in bodies]
-  assert all(u <= overlapped for u in unordered)  # outside the loop and in it
-  assert set().union(*unordered) == overlapped
-  # Nor does the GPU's program compute the CPU's "loss + 0 * isfinite(x)" of collectives.
-  names = lambda j: [e.primitive.name for e in j.eqns]
-  assert all("is_finite" not in names(j) for j in bodies)
-
-  # The same strategy as the CPU builds it: every switch waits for every collective.
+def test_gpu_ticks_do_not_wait_for_unrelated_collectives(gpu_program, monkeypatch):
+  # The step a GPU runs is the CPU's without the waits: on CPU every tick waits for the
+  # all-reduces before it ("loss + 0 * isfinite(x)"), on a GPU a bucket's all-reduce runs
+  # beside the backward that follows; otherwise the same collectives in the same order.
+  step, state, batch = _bucketed_dp_step()
+  assert not step._program.order_collectives and not step.tick_loop
+  names = lambda s, st: [e.primitive.name for e in
+                         shard_map_body(_traced(s, st, batch).jaxpr.jaxpr).eqns]
+  gpu = names(step, state)
   monkeypatch.setattr(_COMPILE, "Program", Program)
-  cpu_step, cpu_state, _ = _pipeline_step(n_stages, dp=dp, zero=zero, bucket_mb=bucket_mb)
+  cpu_step, cpu_state, _ = _bucketed_dp_step()
   assert cpu_step._program.order_collectives
-  cpu_bodies = _bodies(cpu_step, cpu_state, batch)
-  assert all(_unordered(j) == [] for j in cpu_bodies)
-  # One program otherwise: the same switches and collectives in the same order.
-  kinds = lambda j: [n for n in names(j) if n in ("cond", "scan", "while") + _COLLECTIVES]
-  assert [kinds(j) for j in bodies] == [kinds(j) for j in cpu_bodies]
-
-
-def test_gpu_rolled_loop_runs_its_ticks_in_order(gpu_program):
-  # Without the CPU's waits, each tick of the rolled loop still waits for the tick
-  # before it (through the loss both read), so that a carried value is read before the
-  # tick that makes its successor runs and XLA need not copy it each iteration
-  # (test_strategies.py::test_rolled_loop_carries_values_without_copies).
-  step, state, batch = _pipeline_step()
-  _, loop = _bodies(step, state, batch)
-  assert step.rolled.iters >= 2
-  conds = _tick_switches(loop)
-  assert len(conds) == step.rolled.length >= 2
-  for before, after in zip(conds, conds[1:]):
-    assert before in jaxpr_ancestors(loop, after)
+  cpu = names(cpu_step, cpu_state)
+  assert gpu.count("psum") >= 2 and "is_finite" not in gpu and "is_finite" in cpu
+  colls = lambda ns: [n for n in ns if n in _COLLECTIVES]
+  assert colls(gpu) == colls(cpu)
 
 
 def test_gpu_step_lowers_for_cuda_with_command_buffers(gpu_program, monkeypatch):
-  # The GPU's step lowers for CUDA without a GPU: its ticks as conditionals in one
-  # while loop, and the jit carries the command-buffer options. XLA parses those on
+  # The GPU's step lowers for CUDA without a GPU: its ticks as conditionals in a while
+  # loop, and the jit carries the command-buffer options. XLA parses those on
   # CPU too (test_strategies.py::test_compiler_options: a bad one fails there), so a
   # CPU compile checks the command-buffer kinds' names against this XLA.
   monkeypatch.delenv("XLA_FLAGS", raising=False)  # conftest's names no GPU option
@@ -167,12 +114,7 @@ def test_gpu_step_lowers_for_cuda_with_command_buffers(gpu_program, monkeypatch)
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
       (state, step._batch_leaves(batch)))
   assert step._step.trace(*abstract).lower(lowering_platforms=("cuda",)).as_text() == text
-  assert len(re.findall(r"stablehlo\.while", text)) == 1, "one rolled loop"
-  body, loop = _bodies(step, state, batch)
-  assert step.rolled.iters >= 2
-  n_switches = len(_tick_switches(body)) + len(_tick_switches(loop))
-  assert n_switches == len(step.plan.ticks) - (step.rolled.iters - 1) * step.rolled.length
-  assert len(re.findall(r"stablehlo\.case", text)) >= n_switches
+  assert step.tick_loop and "stablehlo.while" in text and "stablehlo.case" in text
   assert "stablehlo.collective_permute" in text and "stablehlo.reduce_scatter" in text
   assert "mhlo.num_partitions = 4" in text
   assert _jit_options(cuda) == PIPELINE_XLA_OPTIONS
@@ -239,7 +181,7 @@ def test_gpu_ordered_pipeline_runs_on_cpu(dp, zero, gpu_program):
   loss, params = mlp_loss(2), init_mlp(jax.random.PRNGKey(0), 2)
   directives = pj.strategies.pipeline(2, 8, "1f1b", dp=dp, zero=zero)
   step, state = assert_same_run(loss, params, directives, batch_size=16 * dp,
-                                devices=jax.devices()[:2 * dp], options=PER_TICK)
-  assert not step._program.order_collectives and step.rolled is not None
+                                devices=jax.devices()[:2 * dp])
+  assert not step._program.order_collectives and step.tick_loop
   assert _jit_options(step.lower(state, random_batch(jax.random.PRNGKey(0), 16 * dp))) \
       == step._program.compiler_options("gpu") != {}

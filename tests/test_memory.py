@@ -65,9 +65,9 @@ def _step(directives, batch_size=8, **options):
 
 
 def test_stacked_ranks_hold_at_most_the_largest_stage():
-  # By default (no `spread_uneven_slots`) ranks' parts are stacked: no rank holds more
-  # than the largest rank's share (plus 10% of chunk padding), nor any other rank's parameters.
-  step, params, state = _step(pj.strategies.pipeline(4, 4, "1f1b"))
+  # Without `spread_uneven_slots` ranks' parts are stacked: no rank holds more than the
+  # largest rank's share (plus 10% of chunk padding), nor any other rank's parameters.
+  step, params, state = _step(pj.strategies.pipeline(4, 4, "1f1b"), spread_uneven_slots=False)
   share = _share_per_rank(step, params)
   held = _bytes_per_device(state)
   assert len(held) == 4 and all(b <= max(share.values()) * 1.1 + 1024 for b in held.values())
@@ -80,10 +80,10 @@ def test_stacked_ranks_hold_at_most_the_largest_stage():
     pj.strategies.pipeline(4, 4, "interleaved", dp=2, zero=1),
 ], ids=["1f1b-pp4", "interleaved-pp2xdp2-zero1"])
 def test_each_device_holds_an_even_share_of_uneven_stages(directives):
-  # The first stage's table is ~130 kB of 140 kB: spread over all devices, each holds
-  # a quarter of the state (params and adam's two moments), within a little padding,
-  # not the first stage's whole.
-  step, params, state = _step(directives, spread_uneven_slots=True)
+  # The first stage's table is ~130 kB of 140 kB: by default spread over all devices,
+  # each holds a quarter of the state (params and adam's two moments), within a little
+  # padding, not the first stage's whole.
+  step, params, state = _step(directives)
   assert step._layout.spread, "the table's slot should be spread"
   state_bytes = 3 * sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   held = _bytes_per_device(state)
@@ -95,8 +95,10 @@ def test_each_device_holds_an_even_share_of_uneven_stages(directives):
 
 def test_spread_slots_give_one_devices_numbers():
   loss, params = _uneven()
-  spread = pj.LoweringOptions(spread_uneven_slots=True)
-  assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "1f1b"), batch_size=8, options=spread)
+  spread = pj.LoweringOptions()  # spread_uneven_slots, the default
+  step, _ = assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "1f1b"), batch_size=8,
+                            options=spread)
+  assert step._layout.spread
   # A masked optimizer updates whole leaves, read from the spread slot.
   masked = optax.adamw(1e-2, weight_decay=0.5,
                        mask=lambda t: jax.tree_util.tree_map(lambda x: x.ndim > 1, t))

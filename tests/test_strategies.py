@@ -15,8 +15,6 @@ import piper_jax as pj
 from models import assert_same_run, init_mlp, mlp_loss, piper_run, random_batch
 
 pytestmark = pytest.mark.timeout(240)
-# The per-tick program, for what only it has (a rolled steady state, one switch a tick).
-PER_TICK = pj.LoweringOptions(tick_loop=False)
 
 
 def _mlp(n_stages, tied=False, seed=0):
@@ -209,17 +207,22 @@ def test_skip_connection_across_stages():
 
 @pytest.mark.parametrize("n_stages", [1, 2])
 def test_bucketed_gradient_reduction(n_stages):
-  # bucket_mb: ZeRO-0 gradients are all-reduced in buckets as soon as they are final.
+  # bucket_mb: a step of one microbatch on one rank all-reduces ZeRO-0 gradients in
+  # buckets as soon as they are final; a pipeline's loop reduces them after its last tick.
   loss, params = _mlp(2)
   dp = 8 // n_stages
-  directives = [pj.split(2)] + [
+  directives = [pj.split(2)] * (n_stages > 1) + [
       pj.replicate({"PP": s} if n_stages > 1 else {}, [r * n_stages + s for r in range(dp)],
                    bucket_mb=0.001)
       for s in range(n_stages)] + (pj.schedules.one_f_one_b(2, 2) if n_stages > 1 else [])
   step, _ = assert_same_run(loss, params, directives)
-  assert step.plan.bucket_mb == 0.001 and len(sum(step._program.buckets.values(), [])) > 1
+  assert step.plan.bucket_mb == 0.001 and step.tick_loop is (n_stages > 1)
   text = step.lower(step.init(params), _batch()).as_text()
-  assert text.count("all_reduce") + text.count("all-reduce") > 1
+  reduces = text.count("all_reduce") + text.count("all-reduce")
+  if n_stages == 1:
+    assert len(sum(step._program.buckets.values(), [])) > 1 and reduces > 1
+  else:
+    assert reduces >= 1
 
 
 def _batch(size=16):
@@ -283,41 +286,12 @@ def test_reduce_dtype_bf16_pipeline_zero2():
 @pytest.mark.parametrize("schedule,stages,dp,zero,tied", [
     ("1f1b", 2, 1, 0, True), ("1f1b", 4, 2, 3, False), ("zb", 2, 2, 2, False),
     ("dualpipev", 4, 1, 1, False), ("interleaved", 4, 1, 0, False)])
-def test_rolled_steady_state(schedule, stages, dp, zero, tied):
-  # The per-tick program's roll=True, its default: the repeating middle of the schedule
-  # runs as one lax.fori_loop (microbatches and values shifted per iteration), with the
-  # same numbers.
+def test_schedules_at_sixteen_microbatches(schedule, stages, dp, zero, tied):
+  # Long enough for a steady state between warm-up and cool-down; one loop, same numbers.
   loss, params = _mlp(stages, tied=tied)
   directives = pj.strategies.pipeline(stages, 16, schedule, dp=dp, zero=zero)
-  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp, options=PER_TICK)
-  w = step.rolled
-  assert w is not None and w.iters >= 2, w
-  assert "while" in step.lower(state, _batch(16 * dp)).as_text()
-
-
-@pytest.mark.parametrize("schedule,dp,zero", [("dualpipev", 1, 0), ("dualpipev", 2, 1)])
-def test_rolled_values_carried_over_iterations(schedule, dp, zero):
-  # With 2 stages a rank and 8 microbatches on 2 ranks, a first stage's residuals are
-  # read by its B more than one loop body later: the loop carries them as many
-  # iterations (a slot deeper each iteration), with the same numbers as unrolled.
-  loss, params = _mlp(4)
-  directives = pj.strategies.pipeline(4, 8, schedule, dp=dp, zero=zero)
-  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp,
-                                options=pj.LoweringOptions(max_carry_depth=4, tick_loop=False))
-  w = step.rolled
-  assert w is not None and w.iters >= 2, w
-  assert min(loc.tick for loc in w.carry) < w.start - w.length  # two iterations back
-  assert "while" in step.lower(state, _batch(16 * dp)).as_text()
-
-
-@pytest.mark.parametrize("schedule,stages,dp,zero", [("1f1b", 4, 2, 3), ("zb", 2, 2, 2)])
-def test_unrolled(schedule, stages, dp, zero):
-  # compile(roll=False): every tick inlined, no loop, the same numbers.
-  loss, params = _mlp(stages)
-  directives = pj.strategies.pipeline(stages, 8, schedule, dp=dp, zero=zero)
-  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp, roll=False)
-  assert step.rolled is None
-  assert "stablehlo.while" not in step.lower(state, _batch(16 * dp)).as_text()
+  step, state = assert_same_run(loss, params, directives, batch_size=16 * dp)
+  assert step.tick_loop and "while" in step.lower(state, _batch(16 * dp)).as_text()
 
 
 def test_pipeline_microbatch_shaped_like_a_weight():
@@ -374,16 +348,18 @@ def test_zero3_pipeline_gathers_its_weights_as_the_step_starts():
 
 def test_data_parallel_microbatches_accumulate_in_turn():
   # Without a pipeline each microbatch's F and B run before the next one's (gradient
-  # accumulation: one microbatch's activations alive); under ZeRO-3 a region's weights
-  # stay gathered from its B to the next microbatch's F.
+  # accumulation: one microbatch's activations alive); under ZeRO-3 each task kind of
+  # the loop gathers its region's weights as it runs (held only while a task runs).
   from models import random_batch
   loss, params = _mlp(2)
   directives = [pj.split(2)] + pj.strategies.data_parallel(8, zero=3)
-  step, state = assert_same_run(loss, params, directives, batch_size=32, roll=False)
+  step, state = assert_same_run(loss, params, directives, batch_size=32)
   assert [t.label for tick in step.plan.ticks for t in tick[0]] == [
       "r0F0", "r1F0", "r1B0", "r0B0", "r0F1", "r1F1", "r1B1", "r0B1"]
   text = step.lower(state, random_batch(jax.random.PRNGKey(0), 32)).as_text()
-  assert len(re.findall(r"stablehlo\.all_gather", text)) == 5  # r0F0 r1F0 r0B0 r1F1 r0B1
+  kinds = step._program.tick_loop.table.kinds
+  assert len(kinds) == 4  # r0F r1F r1B r0B, each compiled once for both microbatches
+  assert len(re.findall(r"stablehlo\.all_gather", text)) == len(kinds)
 
 
 @pytest.mark.parametrize("zero,bucket_mb", [(0, None), (0, 25.0), (1, None), (3, None)])
@@ -429,38 +405,8 @@ def test_bias_gradients_summed_from_a_barrier(directives):
   assert n_sums >= 2
 
 
-@pytest.mark.parametrize("schedule,dp,zero,n_mb", [("1f1b", 1, 0, 8), ("zb", 2, 2, 16)])
-def test_rolled_loop_carries_values_without_copies(schedule, dp, zero, n_mb):
-  # A value a tick keeps for the next iteration is read there before the tick that
-  # makes its successor runs (the body is longer than the farthest read, and each tick
-  # waits for the one before it), so XLA can write the new value into the carried
-  # buffer: the loop body copies no array. With a body as long as the farthest read,
-  # one conditional read the old value and made the new one; in ZB, whose F-only ticks
-  # read nothing of the tick before, XLA ran the later tick first; either way it copied
-  # every such value once per iteration.
-  loss, params = _mlp(2)
-  step, state = assert_same_run(loss, params,
-                                pj.strategies.pipeline(2, n_mb, schedule, dp=dp, zero=zero),
-                                batch_size=16 * dp, roll=True, options=PER_TICK)
-  assert step.rolled.iters >= 2
-  text = step.lower(state, _batch(16 * dp)).compile().as_text()
-  comps, cur = {}, None
-  for line in text.splitlines():
-    m = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if m:
-      cur = comps[m.group(1)] = []
-    elif cur is not None:
-      cur.append(line)
-  bodies = re.findall(r"while\(.*body=%?([\w.\-]+)", text)
-  assert bodies
-  for body in bodies:
-    copies = [l for l in comps[body] if re.search(r"= \w+\[\d[\d,]*\]\S* copy\(", l)]
-    assert not copies, copies[:3]
-
-
 def test_compiler_options(monkeypatch):
-  # On GPUs a pipeline's step runs its per-tick conditionals and rolled loop as CUDA
-  # graphs; data parallelism (neither), CPUs and XLA_FLAGS that set them keep XLA's.
+  # On GPUs a pipeline's step runs its loop and the loop's conditionals as CUDA graphs; data parallelism (neither), CPUs and XLA_FLAGS that set them keep XLA's.
   from models import optimizer, random_batch
   from piper_jax.lowering.program import PIPELINE_COMMAND_BUFFERS, PIPELINE_XLA_OPTIONS
   loss, params = _mlp(2)
@@ -507,19 +453,19 @@ def test_debug_print_inside_a_stage(capfd):
 def test_lowering_options_are_one_argument():
   import dataclasses
   loss, params = _mlp(2)
-  opts = pj.LoweringOptions(roll=False, slot_bytes=1024)
+  opts = pj.LoweringOptions(zero3_reshard=False, slot_bytes=1024)
   step = pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params, _batch(),
                     options=opts, remat=False)
   # None resolves per platform: the stores written after the loop's switch on CPU.
   assert step.options == dataclasses.replace(opts, remat=False, write_stores_after_switch=True)
-  assert step.options.changed() == {"roll": False, "remat": False, "slot_bytes": 1024,
+  assert step.options.changed() == {"zero3_reshard": False, "remat": False, "slot_bytes": 1024,
                                     "write_stores_after_switch": True}
-  assert step.rolled is None and step._layout.n_slots > 1  # 1 KiB slots: several a region
+  assert step._layout.n_slots > 1  # 1 KiB slots: several a region
   # remat=None resolves per strategy: on in pipelines.
   assert pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params,
                     _batch()).options.remat is True
-  with pytest.raises(ValueError, match="max_carry_depth must be >= 1"):
-    pj.LoweringOptions(max_carry_depth=0)
+  with pytest.raises(ValueError, match="slot_bytes must be >= 1"):
+    pj.LoweringOptions(slot_bytes=0)
 
 
 @pytest.mark.parametrize("directives,traces", [

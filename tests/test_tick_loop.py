@@ -1,4 +1,4 @@
-"""The pipeline as one loop over its ticks (`LoweringOptions(tick_loop=True)`): one
+"""Every plan with microbatches or pipeline ranks as one loop over its ticks: one
 device's numbers for every schedule, and a program whose size does not grow with the
 number of microbatches."""
 
@@ -14,7 +14,6 @@ from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch
 
 pytestmark = pytest.mark.timeout(300)
 
-LOOP = pj.LoweringOptions(tick_loop=True)
 # As test_parallel's: eps=1e-6 keeps Adam from turning rounding-level expert gradients
 # into full-size steps.
 MOE_TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-6, weight_decay=0.1))
@@ -26,8 +25,8 @@ MOE_TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-6,
 def test_tick_loop_same_numbers(schedule, n_stages, dp, zero):
   params = init_mlp(jax.random.PRNGKey(0), n_stages)
   directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=dp, zero=zero)
-  step, _ = assert_same_run(mlp_loss(n_stages), params, directives, options=LOOP)
-  assert step.rolled is None and step.options.tick_loop
+  step, _ = assert_same_run(mlp_loss(n_stages), params, directives)
+  assert step.tick_loop
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
@@ -37,7 +36,7 @@ def test_stores_written_inside_or_after_the_switch_give_the_same_numbers(schedul
   params = init_mlp(jax.random.PRNGKey(0), 4)
   directives = pj.strategies.pipeline(4, 4, schedule)
   for after in (False, None):
-    options = pj.LoweringOptions(tick_loop=True, write_stores_after_switch=after)
+    options = pj.LoweringOptions(write_stores_after_switch=after)
     step, _ = assert_same_run(mlp_loss(4), params, directives, options=options)
     assert step.options.write_stores_after_switch is (after is None)
     assert bool(step._program.tick_loop.positions) and step._program.tick_loop.write_after is (after is None)
@@ -48,7 +47,7 @@ def test_tick_loop_expert_parallel_x_pipeline(batches_of):
   batches_of(config)
   directives = pj.strategies.pipeline(2, 2, "zb", dp=2, zero=1)
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
-  step, _ = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX, options=LOOP)
+  step, _ = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX)
   assert step.plan.mesh.size("ep") == 2
 
 
@@ -74,8 +73,8 @@ def _passes_in_program(schedule, n_microbatches, options):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
 def test_program_size_does_not_grow_with_microbatches(schedule):
-  calls4, size4 = _passes_in_program(schedule, 4, LOOP)
-  calls16, size16 = _passes_in_program(schedule, 16, LOOP)
+  calls4, size4 = _passes_in_program(schedule, 4, None)
+  calls16, size16 = _passes_in_program(schedule, 16, None)
   assert calls4 == calls16 and abs(size16 - size4) < 0.05 * size4, (calls4, calls16, size4,
                                                                      size16)
   # Each region's F and B once: 4 regions, 2 passes.
@@ -101,25 +100,21 @@ def test_a_pipelines_zero_stages_are_one_program_with_sharded_masters():
   assert texts[0] == texts[1] == texts[2]
 
 
-@pytest.mark.parametrize("dp,zero,loops", [(1, 0, True), (2, 1, True), (2, 2, True),
-                                           (2, 3, True)])
-def test_pipelines_run_as_one_loop(dp, zero, loops):
+@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 1), (2, 2), (2, 3)])
+def test_pipelines_run_as_one_loop(dp, zero):
   # By default a pipeline is one loop over its ticks. At any ZeRO stage its tasks run
   # no collective of their own: gradients are reduce-scattered once after the loop, and
   # ZeRO-3 gathers the weights as the step starts (expert and tensor parallelism's
   # tasks run theirs inside the loop: tests/test_parallel.py).
   step = _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp)
-  assert step.tick_loop is loops and step.options.tick_loop is None
-  assert ("one loop over all ticks" in step.describe()) is loops
-  if loops:  # what every device allocates for the values that outlive a tick
-    table = step._program.tick_loop.table
-    assert table.store_bytes == sum(
-        (st.depth + 1) * int(np.prod(st.shape)) * np.dtype(st.dtype).itemsize
-        for st in table.stores) > 0
-    assert f"{len(table.stores)} value stores of {table.store_bytes / 2**20:.1f} MiB" in (
-        step.describe())
-  assert _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp,
-                pj.LoweringOptions(tick_loop=not loops)).tick_loop is not loops
+  assert step.tick_loop and "one loop over all ticks" in step.describe()
+  # What every device allocates for the values that outlive a tick.
+  table = step._program.tick_loop.table
+  assert table.store_bytes == sum(
+      (st.depth + 1) * int(np.prod(st.shape)) * np.dtype(st.dtype).itemsize
+      for st in table.stores) > 0
+  assert f"{len(table.stores)} value stores of {table.store_bytes / 2**20:.1f} MiB" in (
+      step.describe())
 
 
 def test_accumulation_and_stages_sharing_a_device_run_as_one_loop():
@@ -129,21 +124,14 @@ def test_accumulation_and_stages_sharing_a_device_run_as_one_loop():
   assert _built(shared + pj.schedules.one_f_one_b(2, 4), 1).tick_loop
 
 
-def test_bucketed_gradients_and_data_parallel_alone_stay_per_tick():
-  # Buckets reduce gradients as the cool-down makes them, which the loop does not.
+def test_bucketed_pipelines_loop_and_one_microbatch_on_one_rank_is_written_out():
+  # A loop reduces bucketed gradients once, after its last tick; a step of one
+  # microbatch on one rank has no ticks that repeat and is written out tick by tick.
   buckets = [pj.split(4)] + [pj.replicate({"PP": s}, [2 * r + s for r in range(2)],
                                           bucket_mb=0.001) for s in range(2)]
-  assert not _built(buckets + pj.schedules.one_f_one_b(2, 4), 2).tick_loop
-  assert not _built(pj.strategies.data_parallel(4), 2).tick_loop
-
-
-def test_options_of_the_per_tick_program_choose_it():
-  directives = pj.strategies.pipeline(2, 4, "1f1b")
-  assert _built(directives, 1).tick_loop
-  # roll=False and deeper carries are read by the per-tick program only.
-  assert _built(directives, 1, pj.LoweringOptions(roll=False)).rolled is None
-  assert not _built(directives, 1, pj.LoweringOptions(roll=False)).tick_loop
-  assert not _built(directives, 1, pj.LoweringOptions(max_carry_depth=2)).tick_loop
+  assert _built(buckets + pj.schedules.one_f_one_b(2, 4), 2).tick_loop
+  dp = _built(pj.strategies.data_parallel(4), 2)
+  assert not dp.tick_loop and "tick by tick" in dp.describe()
 
 
 @pytest.mark.parametrize("plan", ["accumulation", "expert_parallel_pipeline"])

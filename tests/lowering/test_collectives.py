@@ -57,7 +57,7 @@ def test_a_steps_collectives_are_the_lowerings():
 
 
 def test_the_tick_loops_collectives_are_per_iteration():
-  step = _step(pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=3), tick_loop=True)
+  step = _step(pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=3))
   found = step.collectives()
   loop = [c for c in found if c.where[:1] == ("tick loop",)]
   assert {c.kind for c in loop} == {"send/recv"}

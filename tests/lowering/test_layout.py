@@ -39,8 +39,8 @@ def _model():
 def _layouts():
   model = _model()
   plan = make_plan(model, strategies.pipeline(N, 2, "1f1b"), N)
-  stacked = ParamLayout(model, plan, options=LoweringOptions())
-  spread = ParamLayout(model, plan, options=LoweringOptions(spread_uneven_slots=True))
+  stacked = ParamLayout(model, plan, options=LoweringOptions(spread_uneven_slots=False))
+  spread = ParamLayout(model, plan, options=LoweringOptions())
   leaves = [jnp.arange(np.prod(p.shape), dtype=jnp.float32).reshape(p.shape) + 1000 * k
             for k, p in enumerate(model.params)]
   return model, stacked, spread, leaves
