@@ -427,12 +427,14 @@ def init_params(model: Qwen3, rng: jax.Array) -> Any:
   return model.init(rng, tokens)["params"]
 
 
-def loss_fn(model: Qwen3) -> Callable[[Any, dict[str, jax.Array]], jax.Array]:
+def loss_fn(model: Qwen3, metrics: bool = False) -> Callable[[Any, dict[str, jax.Array]], Any]:
   """`loss(params, batch)`: mean token cross-entropy in float32, plus
   `router_aux_coef` x the load-balancing loss for MoE models.
 
   Both terms are means over the batch's sequences (all of `seq_len` tokens), so equal
-  microbatches and data-parallel replicas average to the batch's loss.
+  microbatches and data-parallel replicas average to the batch's loss. `metrics`: the
+  loss returns `(loss, {"ce": ..., "load_balance": ...})` (for `pj.compile(...,
+  has_aux=True)`), each term apart; a dense model's has only "ce".
   """
   coef = getattr(model.config, "router_aux_coef", 0.0)
 
@@ -440,7 +442,10 @@ def loss_fn(model: Qwen3) -> Callable[[Any, dict[str, jax.Array]], jax.Array]:
     logits, aux = model.apply({"params": params}, batch["tokens"])
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch["targets"]).mean()
-    return ce + coef * aux if coef else ce
+    total = ce + coef * aux if coef else ce
+    if not metrics:
+      return total
+    return total, ({"ce": ce, "load_balance": aux} if coef else {"ce": ce})
 
   return loss
 

@@ -59,6 +59,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import piper_jax as pj
+from piper_jax.planner import accelerator
 
 try:
   from examples import gpt, hf, moe, qwen3
@@ -175,14 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--bucket-mb", type=float, default=25.0,
                  help="dp: all-reduce gradients in buckets of this many MB (replicate's "
                       "bucket_mb; 0: one all-reduce per parameter slot at the step's end)")
-  p.add_argument("--no-roll", dest="roll", action="store_false",
-                 help="unroll every tick instead of compiling the schedule's steady state as "
-                      "one loop (pj.compile(roll=False); default: rolled)")
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                  help="store less per microbatch: B recomputes elementwise residuals from "
                       "a value stored in their place (pj.compile(remat=...); default: "
                       "pipelines only)")
-  p.add_argument("--lr", type=float, default=1e-3, help="adamw's learning rate")
+  p.add_argument("--lr", type=float, default=1e-3, help="adamw's (peak) learning rate")
+  p.add_argument("--warmup", type=int, default=0,
+                 help="steps of linear warm-up from 0 to --lr (default: none)")
+  p.add_argument("--decay", choices=("constant", "cosine"), default="constant",
+                 help="after the warm-up: keep --lr, or a cosine decay to --lr/10 at --steps")
   p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data")
   p.add_argument("--data", default="stdlib",
                  help="a text file or folder to train on (bytes, or --tokenizer's tokens); "
@@ -319,7 +321,7 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
     print("timelines of the fastest:", ", ".join(result.timelines(args.timelines)))
   try:  # the first of the fastest whose compiled program fits, by XLA's count
     best, step = result.compile_best(loss_fn, optimizer, params, batch, devices,
-                                     roll=args.roll, remat=args.remat)
+                                     remat=args.remat)
   except ValueError as e:
     raise UsageError(f"--strategy auto: {e}") from e
   print(f"chosen: {best.name}, {best.n_microbatches} microbatch(es); compiled, it needs "
@@ -610,39 +612,51 @@ def feed(step, batch: dict):
 
 
 class Progress:
-  """Reports the losses each time they are read: a tqdm bar when stdout and stderr are a
-  terminal, else one plain line (a piped run's log keeps every one). FLOP/s only on
-  accelerators: a CPU's peak is unknown, so its figure means nothing."""
+  """Reports what the steps return each time it is read (the loss, and the loss's parts
+  where the model reports them), with tokens/s, MFU and the learning rate: a tqdm bar
+  when stdout and stderr are a terminal, else one plain line (a piped run's log keeps
+  every one), and a JSONL row per step (--metrics). MFU only on cards whose peak is
+  known (`pj.planner.accelerator`): a CPU's figure would mean nothing."""
 
   def __init__(self, args, first: int, tokens_per_step: int, flops_per_step: float,
-               devices: list):
-    self.tokens_per_step = tokens_per_step
-    self.flops_per_device = (flops_per_step / len(devices)
-                             if devices[0].platform != "cpu" else None)
+               devices: list, schedule: optax.Schedule):
+    self.tokens_per_step, self.schedule = tokens_per_step, schedule
+    card = accelerator(devices[0].device_kind)
+    self.peak = card.peak_flops * len(devices) if card and devices[0].platform != "cpu" else None
+    self.flops_per_step = flops_per_step
     first_process = jax.process_index() == 0
     terminal = sys.stdout.isatty() and sys.stderr.isatty()
     self.bar = (tqdm(total=args.steps, initial=first, unit="step", dynamic_ncols=True)
                 if terminal and first_process and not args.quiet else None)
     self.metrics = open(args.metrics, "a") if args.metrics and first_process else None
 
-  def report(self, done: int, values: list[float], seconds: float) -> None:
-    """Steps `done - len(values) + 1 .. done` took `seconds` each and gave `values`."""
+  def report(self, done: int, rows: list[dict], seconds: float) -> None:
+    """Steps `done - len(rows) + 1 .. done` took `seconds` each and returned `rows`
+    ({"loss": ..., and the aux metrics})."""
     tps = self.tokens_per_step / seconds
-    tflops = self.flops_per_device / seconds / 1e12 if self.flops_per_device else None
+    mfu = self.flops_per_step / seconds / self.peak if self.peak else None
+    last, lr = rows[-1], float(self.schedule(done - 1))
+    parts = {k: v for k, v in last.items() if k != "loss"}
     if self.bar is not None:
-      self.bar.update(len(values))
-      shown = {} if tflops is None else {"tflops_per_device": f"{tflops:.3g}"}
-      self.bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{tps:,.0f}", **shown)
+      self.bar.update(len(rows))
+      shown = {k: f"{v:.4f}" for k, v in parts.items()}
+      if mfu is not None:
+        shown["mfu"] = f"{mfu:.1%}"
+      self.bar.set_postfix(loss=f"{last['loss']:.4f}", **shown, tok_s=f"{tps:,.0f}",
+                           lr=f"{lr:.2e}")
     else:
-      shown = "" if tflops is None else f"  {tflops:.3g} TFLOP/s per device"
-      print(f"step {done:5d}  loss {values[-1]:.4f}  {tps:,.0f} tok/s{shown}", flush=True)
+      shown = "".join(f"  {k} {v:.4f}" for k, v in parts.items())
+      shown += "" if mfu is None else f"  MFU {mfu:.1%}"
+      print(f"step {done:5d}  loss {last['loss']:.4f}{shown}  {tps:,.0f} tok/s  lr {lr:.2e}",
+            flush=True)
     if self.metrics:
-      for k, value in enumerate(values):
-        row = {"step": done - len(values) + k + 1, "loss": value, "tokens_per_s": tps,
+      for k, row in enumerate(rows):
+        i = done - len(rows) + k + 1
+        out = {"step": i, **row, "lr": float(self.schedule(i - 1)), "tokens_per_s": tps,
                "seconds": seconds}
-        if tflops is not None:
-          row["tflops_per_device"] = tflops
-        self.metrics.write(json.dumps(row) + "\n")
+        if mfu is not None:
+          out["mfu"] = mfu
+        self.metrics.write(json.dumps(out) + "\n")
       self.metrics.flush()
 
   def saved(self, done: int, directory: str, seconds: float) -> None:
@@ -659,6 +673,25 @@ class Progress:
       self.metrics.close()
 
 
+def learning_rate(args) -> optax.Schedule:
+  """The learning rate of each step (from 0): --warmup, then --decay."""
+  after = (optax.cosine_decay_schedule(args.lr, max(args.steps - args.warmup, 1), alpha=0.1)
+           if args.decay == "cosine" else optax.constant_schedule(args.lr))
+  if not args.warmup:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, args.lr, args.warmup), after],
+                              [args.warmup])
+
+
+def _as_row(out) -> dict:
+  """What a step returned, read: {"loss": ...}, with the aux metrics of a step compiled
+  with `has_aux`."""
+  if isinstance(out, tuple):
+    loss, aux = out
+    return {"loss": float(loss), **{k: float(v) for k, v in aux.items()}}
+  return {"loss": float(out)}
+
+
 def _check_finite(values: list[float], done: int, ckpt_dir: str | None, saved: int) -> None:
   for k, value in enumerate(values):
     if not np.isfinite(value):
@@ -673,21 +706,22 @@ def train_loop(args, step, state, get_batch, first: int, progress: Progress):
   losses, windows, saved = [], [], first
   pending, since = [], time.perf_counter()  # steps called whose losses are not read yet
   for i in range(first, args.steps):
-    state, loss = step(state, feed(step, get_batch(i)))  # returns before the devices finish
-    pending.append(loss)
+    state, out = step(state, feed(step, get_batch(i)))  # returns before the devices finish
+    pending.append(out)
     done = i + 1
     save = args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
                               or done == args.steps)
     if not (save or done % args.log_every == 0 or done == args.steps):
       continue
     # Reading the losses waits for the devices: once every --log-every steps.
-    values = [float(x) for x in pending]
+    rows = [_as_row(x) for x in pending]
+    values = [r["loss"] for r in rows]
     now = time.perf_counter()
     _check_finite(values, done, args.ckpt_dir, saved)
     losses += values
     if done - len(values) > first:  # the first window holds the compilation
       windows.append((len(values), now - since))
-    progress.report(done, values, (now - since) / len(values))
+    progress.report(done, rows, (now - since) / len(values))
     pending = []
     if save:
       pj.checkpoint.save(args.ckpt_dir, state, step=done)
@@ -731,8 +765,9 @@ def run(args) -> dict:
     params = family.init_params(build_model(family, config, args.experts), rng)
   model = build_model(family, config, args.experts)
   get_batch = batch_source(args, family, config, tokenizer, rng)
-  optimizer = optax.chain(
-      optax.clip_by_global_norm(1.0), optax.adamw(args.lr))
+  schedule = learning_rate(args)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+      args.lr if args.warmup == 0 and args.decay == "constant" else schedule))
 
   print(f"devices: {len(devices)} x {devices[0].device_kind} "
         f"({devices[0].platform})")
@@ -743,25 +778,27 @@ def run(args) -> dict:
         f"{config.n_layers} layers in {config.n_stages} stage(s), {args.dtype}")
   print(f"strategy: {args.strategy}; data: {args.data}")
 
-  loss_fn = family.loss_fn(model)
+  # A MoE Qwen3 reports its cross-entropy and load-balancing loss beside their sum
+  # (has_aux); the planner (--strategy auto) costs the plain loss.
+  metrics = (family is qwen3 and bool(getattr(config, "router_aux_coef", 0))
+             and directives is not None)
+  loss_of = lambda m: family.loss_fn(m, metrics=True) if metrics else family.loss_fn(m)
+  loss_fn = loss_of(model)
   if directives is None:
     step = search_strategy(args, loss_fn, optimizer, params, get_batch(0), devices)
   else:
     step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
-                      devices=devices, roll=args.roll, remat=args.remat)
+                      devices=devices, remat=args.remat, has_aux=metrics)
   print(step.describe())  # the plan, options, and the collectives the step runs
   started = time.perf_counter()
   step.compile()  # XLA compiles here, so that the first step's time is a step's
   print(f"compiled in {time.perf_counter() - started:.1f} s")
-  if step.rolled:
-    w = step.rolled
-    print(f"ticks {w.start}-{w.stop - 1} run as {w.iters} iterations of {w.length} ticks")
   if args.check:
     # In bf16 the strategy is judged against the same model in float32 beside plain JAX's
     # own bf16 error; fused attention exists only in narrow types, XLA's computes float32.
     wide = dataclasses.replace(config, dtype=jnp.float32, attention=(
         "xla" if config.attention in (None, "cudnn") else config.attention))
-    fp32_loss = family.loss_fn(build_model(family, wide, args.experts))
+    fp32_loss = loss_of(build_model(family, wide, args.experts))
     started = time.perf_counter()
     report = step.check(params, get_batch(0), steps=2, fp32_loss_fn=fp32_loss)
     print(report)
@@ -780,7 +817,7 @@ def run(args) -> dict:
   tokens_per_step = args.batch * config.seq_len
   flops_per_step = tokens_per_step * (
       moe.flops_per_token if args.experts else family.flops_per_token)(config)
-  progress = Progress(args, first, tokens_per_step, flops_per_step, step.devices)
+  progress = Progress(args, first, tokens_per_step, flops_per_step, step.devices, schedule)
   try:
     losses, windows, state = train_loop(args, step, state, get_batch, first, progress)
   finally:

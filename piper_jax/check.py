@@ -91,6 +91,8 @@ class CheckReport:
       check.
     slices: how many equal slices of the batch the references accumulated gradients
       over (1: the whole batch at once), to fit the device.
+    aux_rel_diff: for a step compiled with `has_aux`, per aux leaf, the largest relative
+      difference from the reference over the steps (judged as the loss is).
   """
 
   losses: tuple[float, ...]
@@ -114,6 +116,7 @@ class CheckReport:
   plain_leaves: dict[str, float] | None = None
   plain_grad_leaves: dict[str, float] | None = None
   slices: int = 1
+  aux_rel_diff: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def __str__(self) -> str:
     where = {"one_device": "one device", "jit": "jax.jit over the same devices"}[self.reference]
@@ -133,6 +136,9 @@ class CheckReport:
       for i, (a, p, b) in enumerate(zip(self.losses, self.plain_losses, self.reference_losses)):
         lines.append(f"{i + 1:>6}  {a:>14.7g}  {p:>14.7g}  {b:>14.7g}  {_rel(a, b):>9.2e}  "
                      f"{_rel(p, b):>9.2e}")
+    if self.aux_rel_diff:
+      lines.append("aux, largest rel diff over the steps: " + ", ".join(
+          f"{n} {d:.2e}" for n, d in self.aux_rel_diff.items()))
     if self.slices > 1:
       lines.append(f"(the references accumulated gradients over {self.slices} slices of "
                    f"the batch to fit the device)")
@@ -244,26 +250,29 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
 
   # The strategy first, its results moved to the host, so that the references do not
   # share device memory with its state.
+  has_aux = getattr(step, "has_aux", False)
   state = step.init(params)
-  losses = []
+  reported = []  # per step: the loss, then the aux leaves
   for b in batches:
-    state, loss = step(state, b)
-    losses.append(float(loss))
+    state, out = step(state, b)
+    reported.append(_reported(out, has_aux))
   got = _host(step.params(state))
   del state
 
   placement = _placement(reference, devices)
-  plain = _Reference(loss_fn, tx, placement, highest=False)
+  plain = _Reference(loss_fn, tx, placement, highest=False, has_aux=has_aux)
   truth = plain
   if low:
     wide = fp32_loss_fn if fp32_loss_fn is not None else widen(loss_fn)
     to32 = lambda t: jax.tree_util.tree_map(
         lambda x: x.astype(np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-    truth = _Reference(wide, tx, placement, highest=True, cast=to32)
+    truth = _Reference(wide, tx, placement, highest=True, cast=to32, has_aux=has_aux)
   n = slices or truth.slices_that_fit(params, batches[0])
-  plain_losses, plain_params, plain_grads = plain.train(params, batches, n)
-  ref_losses, ref_params, ref_grads = (truth.train(params, batches, n) if low else
-                                       (plain_losses, plain_params, plain_grads))
+  plain_reported, plain_params, plain_grads = plain.train(params, batches, n)
+  ref_reported, ref_params, ref_grads = (truth.train(params, batches, n) if low else
+                                         (plain_reported, plain_params, plain_grads))
+  losses, ref_losses, plain_losses = ([r[0] for r in rs]
+                                      for rs in (reported, ref_reported, plain_reported))
 
   grad_leaves = plain_grad_leaves = None
   keep = [None] * len(keys)
@@ -286,6 +295,17 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
     if not d <= limit:  # NaN fails too
       failures.append(f"loss at step {i + 1}: {losses[i]:.7g} vs {ref_losses[i]:.7g}: "
                       + _verdict(d, plain_rel[i] if low else None, factor, l_rtol))
+  # The aux leaves are judged as the loss is.
+  aux_names = list(step.aux_names) if has_aux else []
+  aux_rel: dict[str, float] = {}
+  for j, name in enumerate(aux_names, start=1):
+    for i in range(len(batches)):
+      a, b, pl = reported[i][j], ref_reported[i][j], plain_reported[i][j]
+      d, plain_d = _rel(a, b), (_rel(pl, b) if low else None)
+      aux_rel[name] = max(aux_rel.get(name, 0.0), d, key=_nan_first)
+      if not d <= l_rtol + (factor * plain_d if low else 0.0):
+        failures.append(f"{name} at step {i + 1}: {a:.7g} vs {b:.7g}: "
+                        + _verdict(d, plain_d, factor, l_rtol))
 
   leaves, left_out, frozen = _compare_params(keys, start, got, ref_params, keep, failures)
   plain_leaves = None
@@ -315,7 +335,8 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
       failures=tuple(failures), passed=not failures, factor=factor if low else None,
       plain_losses=tuple(plain_losses) if low else None,
       plain_loss_rel_diff=max(plain_rel, key=_nan_first) if low else None,
-      plain_leaves=plain_leaves, plain_grad_leaves=plain_grad_leaves, slices=n)
+      plain_leaves=plain_leaves, plain_grad_leaves=plain_grad_leaves, slices=n,
+      aux_rel_diff=aux_rel)
 
 
 def _verdict(d: float, plain: float | None, factor: float, floor: float) -> str:
@@ -444,10 +465,25 @@ def _placement(reference: str, devices: list) -> _Placement:
   return _Placement(sharding, batch_sharding, devices[0], True)
 
 
-def _value_and_grad(loss_fn: Callable, slices: int) -> Callable:
+def _reported(out, has_aux: bool) -> tuple[float, ...]:
+  """What a step reports, flat: the loss, then (`has_aux`) the aux leaves."""
+  if not has_aux:
+    return (float(out),)
+  loss, aux = out
+  return (float(loss), *(float(x) for x in jax.tree_util.tree_leaves(aux)))
+
+
+def _value_and_grad(loss_fn: Callable, slices: int, has_aux: bool = False) -> Callable:
   """`jax.value_and_grad(loss_fn)` over the batch in `slices` equal slices, accumulated
-  in float32 by a `lax.scan` (plain JAX's gradient accumulation)."""
-  whole = jax.value_and_grad(loss_fn)
+  in float32 by a `lax.scan` (plain JAX's gradient accumulation); the value is the
+  loss, then (`has_aux`) the aux leaves, as one float32 vector."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+  def whole(params, batch):
+    value, grads = grad_fn(params, batch)
+    leaves = [value[0], *jax.tree_util.tree_leaves(value[1])] if has_aux else [value]
+    return jnp.stack([jnp.asarray(x, jnp.float32) for x in leaves]), grads
+
   if slices == 1:
     return whole
 
@@ -460,7 +496,8 @@ def _value_and_grad(loss_fn: Callable, slices: int) -> Callable:
       loss, grads = whole(params, piece)
       return jax.tree_util.tree_map(jnp.add, total, wide((loss, grads))), None
 
-    zero = wide((jnp.zeros(()), jax.tree_util.tree_map(jnp.zeros_like, params)))
+    value = jax.eval_shape(whole, params, jax.tree_util.tree_map(lambda x: x[0], cut))[0]
+    zero = wide((jnp.zeros(value.shape), jax.tree_util.tree_map(jnp.zeros_like, params)))
     (loss, grads), _ = jax.lax.scan(body, zero, cut)
     grads = jax.tree_util.tree_map(lambda g, p: (g / slices).astype(p.dtype), grads, params)
     return loss / slices, grads
@@ -477,6 +514,7 @@ class _Reference:
   placement: _Placement
   highest: bool  # float32 matrix products at the highest precision
   cast: Callable = lambda t: t  # applied to the parameters first
+  has_aux: bool = False  # loss_fn returns (loss, aux)
   # Compiled steps by number of slices: the one `slices_that_fit` measured is the one run.
   _compiled: dict = dataclasses.field(default_factory=dict)
 
@@ -487,7 +525,7 @@ class _Reference:
     """The step compiled for these shapes: (params, opt_state, batch) -> (params,
     opt_state, loss, grads)."""
     if slices not in self._compiled:
-      vg, c = _value_and_grad(self.loss_fn, slices), self.placement.constrain
+      vg, c = _value_and_grad(self.loss_fn, slices, self.has_aux), self.placement.constrain
 
       def train_step(params, opt_state, batch):
         loss, grads = vg(params, batch)
@@ -531,8 +569,8 @@ class _Reference:
     return size
 
   def train(self, params, batches, slices: int):
-    """`len(batches)` steps: the losses, the parameters and the first step's gradient,
-    on the host."""
+    """`len(batches)` steps: per step what it reports (the loss, then the aux leaves),
+    the parameters and the first step's gradient, on the host."""
     pl = self.placement
     step = self._step(slices, *self._shapes(params, batches[0]))
     params = pl.put(self.cast(params))
@@ -540,8 +578,8 @@ class _Reference:
       opt_state = jax.jit(lambda p: pl.constrain(self.tx.init(p)))(params)
     losses, first = [], None
     for b in batches:
-      params, opt_state, loss, grads = step(params, opt_state, pl.put_batch(b))
-      losses.append(float(loss))
+      params, opt_state, values, grads = step(params, opt_state, pl.put_batch(b))
+      losses.append(tuple(float(x) for x in np.asarray(values)))
       first = _host(grads) if first is None else first
       del grads
     out = _host(params)

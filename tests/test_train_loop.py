@@ -108,3 +108,25 @@ def test_help_shows_every_default(capsys):
     assert "default" in entry, entry
   for shown in ("(default: pp-1f1b)", "(default: 10)", "(default: 16)", "(default: 0.001)"):
     assert shown in " ".join(entries)
+
+
+def test_moe_metrics_and_learning_rate_are_logged(tmp_path, capsys):
+  # A MoE Qwen3 reports its cross-entropy and load-balancing loss beside their sum
+  # (pj.compile(has_aux=True)), combined over microbatches and replicas as the loss is.
+  argv = ["--model", "qwen3-moe-tiny", "--strategy", "pp-1f1b", "--stages", "2", "--dp", "2",
+          "--microbatches", "2", "--batch", "8", "--steps", "3", "--log-every", "1",
+          "--warmup", "2", "--decay", "cosine", "--lr", "1e-2", "--data", "synthetic",
+          "--metrics", str(tmp_path / "m.jsonl")]
+  out = train.main(argv)
+  assert out["step"].has_aux and out["step"].aux_names == ["aux['ce']", "aux['load_balance']"]
+  rows = [json.loads(l) for l in open(tmp_path / "m.jsonl")]
+  coef = 1e-3  # router_aux_coef of the preset
+  for r in rows:
+    assert r["loss"] == pytest.approx(r["ce"] + coef * r["load_balance"], rel=1e-5)
+    assert r["load_balance"] >= 1.0  # n_experts * sum_e f_e P_e: top_k when balanced
+  schedule = train.learning_rate(train.parse_args(argv))
+  assert [r["lr"] for r in rows] == [float(schedule(i)) for i in range(3)]
+  assert rows[0]["lr"] == 0 and rows[1]["lr"] == pytest.approx(5e-3)
+  assert "mfu" not in rows[0]  # a CPU's peak is unknown
+  printed = capsys.readouterr().out
+  assert re.search(r"step +3  loss [\d.]+  ce [\d.]+  load_balance [\d.]+  [\d,]+ tok/s  lr ", printed)
