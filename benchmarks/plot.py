@@ -4,10 +4,10 @@
   python benchmarks/plot.py --machine "4 x H200" --out benchmarks/results_4xh200.png
 
 One panel per machine and model: each table row as a bar, its tokens/s over the
-baseline of the same call (the table's "vs baseline": jit DP, GSPMD FSDP for ZeRO-3,
-shard_map DP for MoE models), labelled with the row's call and its peak memory. The
-tables hold the current measurements (their raw JSON is cited under each table);
-ratios compare within a call.
+baseline of the same command (the table's "vs baseline": jit DP, GSPMD FSDP for ZeRO-3,
+shard_map DP for MoE models), labelled with the row's command number ("cmd") and its
+peak memory. The commands and their raw JSON are listed under each table; ratios
+compare within a command.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @dataclasses.dataclass(frozen=True)
 class Bar:
   panel: str      # "2 x H200, 1.34B"
-  label: str      # "2: pp-1f1b 16 / 8"
-  ratio: float    # tokens/s over the call's baseline
-  baseline: bool  # the row is its call's baseline (1.00x)
+  label: str      # "2: pp-1f1b 16 / 8" (the row's command, variant, batch)
+  ratio: float    # tokens/s over the same command's baseline
+  baseline: bool  # the row is its command's baseline (1.00x)
   peak_gib: float | None
 
 
@@ -36,7 +36,7 @@ def _number(cell: str) -> float | None:
 
 def bars(results_md: str) -> list[Bar]:
   """The rows of every table under a "## <machine>" heading that has "variant" and "vs
-  baseline" columns; rows with no ratio (no baseline in their call) are left out."""
+  baseline" columns; rows with no ratio (no baseline in their command) are left out."""
   found, machine, cols = [], None, None
   for line in open(results_md):
     line = line.strip()
@@ -58,7 +58,7 @@ def bars(results_md: str) -> list[Bar]:
       continue
     get = lambda name: cells[cols[name]] if name in cols else ""
     variant = get("variant").replace("*", "").strip()
-    label = f"{get('call')}: {variant} {get('batch / mb')}".strip()
+    label = f"{get('cmd')}: {variant} {get('batch / mb')}".strip()
     peak = _number(get("peak GiB")) if get("peak GiB") not in ("", "-") else None
     found.append(Bar(f"{machine}, {get('model')}", label, float(ratio.group(1)),
                      get("vs baseline").replace("*", "").startswith("1.00x") and
@@ -90,7 +90,7 @@ def draw(all_bars: list[Bar], out: str) -> None:
         ax.text(b.ratio, y, f" {b.peak_gib:.1f} GiB", va="center", fontsize=6)
     ax.set_title(panel, fontsize=9, loc="left")
     ax.set_xlim(0, max(1.2, max(b.ratio for b in mine) * 1.25))
-  axes[-1, 0].set_xlabel("tokens/s over the same call's baseline (grey); label: peak memory per GPU")
+  axes[-1, 0].set_xlabel("tokens/s over the same command's baseline (grey); label: peak memory per GPU")
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   plt.close(fig)

@@ -4,77 +4,60 @@
   python benchmarks/run.py --model 268m --variants jit-dp,dp,pp-1f1b
   python benchmarks/run.py --small          # tiny model on 8 CPU devices (CI)
   python benchmarks/run.py --model 1.3b --pp 4 --variants jit-dp,pp-1f1b@z1,pp-zb@z3
+  python benchmarks/run.py --compile-only --mock-gpus 8 --model 1.3b --pp 4 \\
+      --variants jit-dp,pp-1f1b    # an 8-GPU program compiled (not run) on one GPU
 
-Pipeline variants are pp-SCHEDULE (gpipe, 1f1b, zb, interleaved, dualpipev) over
-`--pp` ranks, times data parallel over the other devices, with `@zK` for ZeRO-K on
-the data-parallel axis (default `--zero`). Interleaved and DualPipeV hold two stages
-per rank. Each pipeline row also gives the simulator's prediction (`plan.simulate`
-with FLOP costs from the jaxpr), turned into milliseconds with the plain DP row of
-the same run: predicted = DP step time x makespan / (work per rank); the JSON's
-`sim_tick_ms` predicts from `tick_makespan` (tick by tick, as the lowering runs). With
-`--calibrate CACHE` the prediction is from the step's regions timed on the first GPU at
-the microbatch rows instead (`pj.calibrate`, tick by tick: `sim_timed_ms`). `dp@b25` is
-data parallel with gradients all-reduced in 25 MB buckets during the backward. `shmap-dp`
-is plain JAX data parallel written with `shard_map` (loss and gradients per device, then
-`pmean`): the fair baseline for MoE models, whose `jit-dp` routes the global batch as
-one group. `shmap-accum` is the same with each device's rows split into `--microbatches`
-/ `--pp` microbatches, so that a device runs as many rows at a time as a device of a
-`--pp`-rank pipeline does in one task (`lax.scan` accumulates their gradients, then one
-`pmean`): plain JAX's speed on the kernels a pipeline runs, without a pipeline, of which
-a 1F1B pipeline of M microbatches on P ranks can reach at most M / (M + P - 1).
-A `+ep` suffix (MoE models, `--model moe-1b`) adds `pj.shard({"EP": "*"}, ...)`: the
-experts are split over each rank's data-parallel devices. The dense GPT's pipeline
-stages get equal blocks (with cuDNN attention the fastest split measured); a
-`+balanced` suffix gives them `gpt.balanced_stage_layers` (the last stage fewer, for
-the head and the loss). A `+mask` suffix trains
-with adamw that does not decay vectors (biases, norms): piper-jax then updates whole
-leaves instead of its packed buffers; its ratio is against `jit-dp+mask`. A `+bf16` suffix
-keeps parameters and optimizer states in bf16 (the PyTorch peer's setting; fp32 master
-weights otherwise) and takes its ratio against `jit-dp+bf16`. A `+rbf16` suffix reduces
-the data-parallel gradients in bf16 (`replicate(reduce_dtype="bfloat16")`), as plain
-jit DP does with a bf16-compute model: its all-reduce runs on the bf16 gradient of
-the matmul, before the convert to the fp32 parameter's dtype. A `+noroll` suffix compiles
-with `pj.compile(..., roll=False)`: every tick unrolled instead of the schedule's steady
-state as one loop (`+roll`, the default, is still accepted). A
-`+nocast` suffix turns off casting the bf16-read weights once per step (every task
-slices and casts its own), and `+nounpack` has a pipeline's tasks slice their weights from the cast
-segments instead of reading them unpacked once per step; `+nodistopt` runs ZeRO-1/2
-without the distributed optimizer (replicated fp32 parameters, all-gathered in fp32
-after the update); `+nocolsum` sums bias gradients without their own optimization
-barrier; `+nowidegrad` has a pipeline's bf16 weight-gradient GEMMs write bf16
-(`LoweringOptions.wide_weight_grads` off); `+nocmdbuf` compiles with XLA's own command buffers
-(`compiler_options={}`), not piper-jax's, which run a pipeline's conditionals and loop
-as CUDA graphs; `+remat` compiles with `remat=True` (elementwise residuals recomputed
-from a value stored in their place; pipelines do so by default, `+noremat` turns it
-off); `+noslimcarry` has ZB's BI hand BW the values BW's equations read as they are,
-not the smaller ones they are cheaply made from (`LoweringOptions.slim_carry` off); `+deeproll`
-lets the rolled loop carry values up to 4 iterations (`LoweringOptions.max_carry_depth`), so that
-DualPipeV and interleaved on 2 ranks with 8 microbatches roll.
-`+loop` lowers a pipeline as one loop over all its ticks, the plan as data
-(`LoweringOptions.tick_loop`; `+noloop` the per-tick lowering when that is the default).
-`+writeafter` has the loop's branches return the values they made, written into the
-stores after the slot's switch (`LoweringOptions.write_stores_after_switch`, the default
-on CPU only). `+keepgathered` lets ZeRO-3 keep a region's weights gathered from its forward to its
-backward (`LoweringOptions.zero3_reshard` off). `+spread` stores slots whose pipeline ranks' parts
-are uneven spread over all devices (`LoweringOptions.spread_uneven_slots`).
-`+ac` checkpoints every block of a Qwen3 model (its `remat`: the backward
-recomputes a block from its input, the one value kept for it). `+L9-7` sets the blocks
-of each pipeline stage. `+xla` runs the variant with
-`--xla-flags` added to XLA_FLAGS (process-wide options, such as XLA's command-buffer
-update mode and the allocator it needs), beside the same variant without them.
+Variants. Plain-JAX baselines: `jit-dp` (jax.jit data parallel), `gspmd-fsdp` (every
+leaf's largest divisible dimension sharded over all devices), `shmap-dp` (data parallel
+written with shard_map: loss and gradients per device, then `pmean`; the fair baseline
+for MoE models, whose `jit-dp` routes the global batch as one group) and `shmap-accum`
+(the same with each device's rows split into `--microbatches` / `--pp` microbatches,
+accumulated with `lax.scan`: plain JAX on the kernels a `--pp`-rank pipeline runs per
+task). piper-jax: `dp`, `zero1`, `zero2`, `zero3` over all devices (`dp@b25`: gradients
+all-reduced in 25 MB buckets during the backward), and `pp-SCHEDULE` (gpipe, 1f1b, zb,
+interleaved, dualpipev) over `--pp` ranks times data parallel over the other devices,
+`@zK` for ZeRO-K on the data-parallel axis (default `--zero`). Interleaved and DualPipeV
+hold two stages per rank.
 
-Each variant runs in a fresh child process (so that its peak memory is its own and
-an out-of-memory error ends only that row), one after another on the same devices.
-For each: median step time over `--steps` steps after `--warmup`, as a training loop runs
-them (each step called before the previous one's loss is waited for, so the host
-prepares the next step while the GPU runs this one; "blocked ms" is the median with
-the host waiting for each step before calling the next; "host ms" is how long a step's call takes to return: when it is close to "step
-ms" and "step ms" is no less than "blocked ms", the host is the limit), tokens/s, MFU
-(against the dense bf16 peak of the card, `benchmarks/hardware.py`), peak device memory
+Suffixes (`zero3+rbf16+r24`):
+  +rK           DP and ZeRO over K regions (the model's blocks cut into K stages)
+  +L9-7         the blocks of each pipeline stage (default: equal blocks)
+  +balanced     `gpt.balanced_stage_layers` (the last stage fewer, for the head and loss)
+  +ep           experts split over each rank's data-parallel devices (`pj.shard`)
+  +bf16         parameters and optimizer states in bf16 (the PyTorch peer's setting);
+                its ratio is against `jit-dp+bf16`
+  +mask         adamw without decay on vectors; its ratio is against `jit-dp+mask`
+  +ac           checkpoint every block of a Qwen3 model (its `remat`)
+  +rbf16        data-parallel gradients reduced in bf16 (`reduce_dtype="bfloat16"`)
+  +remat, +noremat   `LoweringOptions.remat` on or off (default: on in pipelines)
+  +nocast       `cast_weights` off: every task casts its own bf16-read weights
+  +nodistopt    `shard_masters` off: ZeRO-1/2 keep replicated fp32 parameters
+  +keepgathered `zero3_reshard` off: ZeRO-3 keeps weights gathered forward to backward
+  +stacked      `spread_uneven_slots=False`: uneven slots stacked, each rank padded to the largest
+  +slotN        `slot_bytes` of N MiB
+  +writeafter   `write_stores_after_switch` on
+  +nocmdbuf     XLA's own command buffers (`compiler_options={}`), not piper-jax's
+  +xla          the variant with `--xla-flags` added to XLA_FLAGS (process-wide options)
+
+Each variant runs in a fresh child process (its peak memory is its own and an
+out-of-memory error ends only that row), one after another on the same devices. A row:
+the median step time over `--steps` steps after `--warmup`, timed as a training loop
+runs them (each step called before the previous step's loss is waited for; "blocked
+ms" waits for each step, "host ms" is how long a call takes to return: when it is close
+to "step ms" and "step ms" is no less than "blocked ms", the host is the limit),
+tokens/s, MFU (against the card's dense bf16 peak, `piper_jax.planner.ACCELERATORS`), peak device memory
 (`peak_bytes_in_use`, the largest over devices), XLA's count of the compiled program's
-memory per device (`xla_gib`), compile time (XLA compiling the step, plus the first call
-minus one step, plus `pj.compile`'s own tracing and planning, `build_s`), and the ratio
-of tokens/s to the matching plain-JAX baseline.
+memory per device (`xla_gib`), compile time (XLA's compile, plus the first call minus
+one step, plus `pj.compile`'s own tracing and planning, `build_s`), and tokens/s over
+the matching plain-JAX baseline of the same call. Pipeline rows add the simulator's
+prediction (`plan.simulate` with FLOP costs), in milliseconds through the baseline's
+step: baseline step x makespan / work per rank (`sim_tick_ms` tick by tick); with
+`--calibrate CACHE`, from the regions timed on the first device (`sim_timed_ms`).
+
+`--compile-only` builds each variant on shapes and compiles it without running it:
+`build_s` (`pj.compile`), `compile_s` (XLA) and `xla_gib`. With `--mock-gpus N`, JAX's
+mock GPU topology makes this process see N GPUs of N processes, so one GPU compiles the
+program one of N runs, autotuning locally.
 """
 
 from __future__ import annotations
@@ -97,13 +80,13 @@ PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-in
          "pp-dualpipev")
 # Which baseline each variant's ratio is taken against.
 _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
-# Variant suffixes besides "+rK" (a DP variant over K regions).
-_SUFFIXES = ("ep", "balanced", "bf16", "mask", "rbf16", "roll", "nocast", "nounpack",
-             "nodistopt", "nocolsum", "deeproll", "loop", "noloop", "keepgathered",
-             "spread", "writeafter",
-             "noroll", "nowidegrad", "nocmdbuf", "remat", "noremat", "noslimcarry", "xla", "ac")
+# Variant suffixes besides "+rK" (a DP variant over K regions), "+L<blocks>-..." and
+# "+slotN"; the module docstring says what each does.
+_SUFFIXES = ("ep", "balanced", "bf16", "mask", "ac", "rbf16", "remat", "noremat", "nocast",
+             "nodistopt", "keepgathered", "stacked", "writeafter", "nocmdbuf", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
+_SLOTS = re.compile(r"slot\d+")  # "+slot16": slot_bytes of 16 MiB
 # Stages per pipeline rank.
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb": 1, "interleaved": 2, "dualpipev": 2}
 
@@ -311,21 +294,16 @@ def lowering_options(mods: list[str]):
   """The `pj.LoweringOptions` a variant's suffixes choose (the module docstring says
   what each does)."""
   import piper_jax as pj
+  slots = [int(m[4:]) << 20 for m in mods if _SLOTS.fullmatch(m)]
   return pj.LoweringOptions(
-      tick_loop=("loop" in mods) if {"loop", "noloop"} & set(mods) else None,
-      roll="noroll" not in mods,
-      max_carry_depth=4 if "deeproll" in mods else 1,
       remat=True if "remat" in mods else False if "noremat" in mods else None,
       cast_weights="nocast" not in mods,
-      unpack_in_pipelines="nounpack" not in mods,
       shard_masters="nodistopt" not in mods,
-      column_sum_rows=0 if "nocolsum" in mods else pj.LoweringOptions.column_sum_rows,
-      wide_weight_grads="nowidegrad" not in mods,
-      slim_carry="noslimcarry" not in mods,
       zero3_reshard="keepgathered" not in mods,
+      spread_uneven_slots="stacked" not in mods,
       write_stores_after_switch=True if "writeafter" in mods else None,
-      spread_uneven_slots="spread" in mods,
-      compiler_options={} if "nocmdbuf" in mods else None)
+      compiler_options={} if "nocmdbuf" in mods else None,
+      **({"slot_bytes": slots[0]} if slots else {}))
 
 
 def shapes(family, net, config, batch: int):
@@ -346,7 +324,7 @@ def init_params(family, net, seed: int = 0):
 
   Every leaf is made sharded over all devices (its largest divisible dimension), never
   whole on device 0 (33 GB for the 8B shape): a multi-GPU step that finds too little
-  memory hangs in its first call instead of failing (`first_step.py --keep-unsharded`)."""
+  memory can hang in its first call instead of failing."""
   import functools
 
   import jax
@@ -493,7 +471,7 @@ def make_step(variant: str, model: str, batch: int, microbatches: int, pp: int =
 def _compiled(call, state, batch):
   """(the step compiled, as a callable, and XLA's bytes per device for it,
   `CompiledMemory.total`; 0 for a jitted baseline where XLA has no memory analysis)."""
-  from piper_jax.compile import CompiledMemory
+  from piper_jax.memory import CompiledMemory
   if hasattr(call, "memory"):  # a piper-jax TrainStep: calls then run what it compiled
     return call, call.memory().total
   compiled = call.lower(state, batch).compile()
@@ -535,6 +513,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
   import jax
   import numpy as np
 
+  import piper_jax as pj
+
   from examples import gpt
 
   devices = jax.devices()
@@ -574,8 +554,8 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
     stats = d.memory_stats() or {}
     peak = max(peak, stats.get("peak_bytes_in_use", 0))
   kind = devices[0].device_kind
-  from hardware import peak_flops
-  peak_flops = peak_flops(kind)
+  card = pj.planner.accelerator(kind)
+  peak_flops = card.peak_flops if card else None
   tps = tokens / step_s
   fpt = _family(model).flops_per_token(config)
   mfu = fpt * tps / (n * peak_flops) if peak_flops else None
@@ -591,6 +571,63 @@ def run_variant(variant: str, model: str, batch: int, microbatches: int, steps: 
           "stage_layers": [e - b for b, e in config.stage_bounds], **sim}
 
 
+def mock_gpus(n: int) -> None:
+  """Before JAX starts its backend: N GPUs of N processes, this one's local. Autotuning
+  is not shared between the processes (each would wait for the others' results)."""
+  import jax
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_gpu_shard_autotuning=false").strip()
+  jax.config.update("jax_mock_gpu_topology", f"1x{n}x1")
+
+
+def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
+                    zero: int = 0, attention: str | None = None, seq_len: int = 0,
+                    layers: int = 0) -> dict:
+  """One variant built on shapes and compiled, not run: its row, with `pj.compile`'s
+  build (`build_s`), XLA's compile (`compile_s`) and XLA's count of the program's memory
+  per device (`xla_gib`, and its parts under "memory")."""
+  import jax
+  import optax
+
+  import piper_jax as pj
+  from examples import gpt
+  from piper_jax.memory import CompiledMemory
+
+  devices = jax.devices()
+  base, mods = split_variant(variant)
+  config, net, directives = build(variant, model, len(devices), microbatches, pp, zero,
+                                  attention, seq_len, layers)
+  family = step_family(model)
+  params, example = shapes(family, net, config, batch)
+  mask = (lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)) if "mask" in mods else None
+  tx = optax.adamw(1e-4, weight_decay=0.1, mask=mask)
+  loss_fn = family.loss_fn(net)
+  row = {"variant": variant, "model": model, "devices": len(devices),
+         "device_kind": devices[0].device_kind, "batch": batch,
+         "attention": gpt.attention_implementation(config), "build_s": 0.0}
+  if base in BASELINES:
+    call, (psh, osh, bsh) = baseline_call(base, devices, loss_fn, tx, params, microbatches,
+                                          pp, batch)
+    shaped = lambda tree, sh: jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+    b = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bsh),
+                               example)
+    t0 = time.perf_counter()
+    mem = CompiledMemory.of(
+        call.lower((shaped(params, psh), shaped(jax.eval_shape(tx.init, params), osh)), b).compile())
+  else:
+    t0 = time.perf_counter()
+    step = pj.compile(loss_fn, tx, directives, params, example, options=lowering_options(mods))
+    row["build_s"] = time.perf_counter() - t0
+    row["microbatches"] = step.plan.n_microbatches
+    t0 = time.perf_counter()
+    mem = step.memory()
+  row["compile_s"] = time.perf_counter() - t0
+  row["xla_gib"] = mem.total / 2**30
+  row["memory"] = {k: getattr(mem, k) for k in ("arguments", "outputs", "aliased", "temporaries")}
+  return row
+
+
 def _child(args, variant, model):
   cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--model", model,
          "--batch", str(args.batch), "--microbatches", str(args.microbatches),
@@ -600,6 +637,8 @@ def _child(args, variant, model):
   cmd += ["--layers", str(args.layers)] if args.layers else []
   cmd += ["--attention", args.attention] if args.attention else []
   cmd += ["--calibrate", args.calibrate] if args.calibrate else []
+  cmd += ["--compile-only"] if args.compile_only else []
+  cmd += ["--mock-gpus", str(args.mock_gpus)] if args.mock_gpus else []
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   if "xla" in split_variant(variant)[1]:  # process-wide XLA options, such as the allocator
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
@@ -678,6 +717,24 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
   return "\n".join(lines)
 
 
+def compile_table(rows, baseline_of=BASELINE_OF) -> str:
+  """A markdown table of `--compile-only` rows; the ratio is build + XLA seconds over the
+  baseline's."""
+  lines = ["| model | variant | devices | build s | XLA s | vs baseline | XLA GiB |",
+           "|" + "---|" * 7]
+  base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | |")
+      continue
+    name, b = baseline_row(base, r["variant"], r["model"], baseline_of)
+    total = lambda x: x["build_s"] + x["compile_s"]
+    ratio = f"{total(r) / total(b):.2f}x {name}" if b else "-"
+    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['build_s']:.1f} | "
+                 f"{r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default="268m,1.3b",
@@ -708,9 +765,21 @@ def main(argv=None):
   ap.add_argument("--seq-len", type=int, default=0, help="override the model's sequence length")
   ap.add_argument("--layers", type=int, default=0,
                   help="blocks of a Qwen3 preset (its shapes cut to fit fewer GPUs)")
+  ap.add_argument("--compile-only", action="store_true",
+                  help="build and compile each variant on shapes without running it: "
+                       "build s, XLA s and XLA's count of its memory per device")
+  ap.add_argument("--mock-gpus", type=int, default=0, metavar="N",
+                  help="with --compile-only: compile for N GPUs of N processes on this "
+                       "machine's one (JAX's mock GPU topology)")
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.mock_gpus and not args.compile_only:
+    raise ValueError("--mock-gpus compiles for GPUs this machine does not have: "
+                     "add --compile-only")
+  if args.compile_only and args.max_batch:
+    raise ValueError("--max-batch finds the batch that runs out of memory running: "
+                     "drop --compile-only")
   if args.small:
     model = ("qwen3-moe-tiny" if args.model.startswith("qwen3") and is_moe(args.model)
              else "qwen3-tiny" if args.model.startswith("qwen3")
@@ -719,8 +788,9 @@ def main(argv=None):
     args.microbatches = max(4, 2 * args.pp)
   for v in args.variants.split(","):
     base, mods = split_variant(v)
-    if {m for m in mods if not (_REGIONS.fullmatch(m) or _LAYERS.fullmatch(m))} - set(_SUFFIXES):
-      raise ValueError(f"unknown suffix in {v!r}: use +rK, +L<blocks>-<blocks>... and "
+    patterns = (_REGIONS, _LAYERS, _SLOTS)
+    if {m for m in mods if not any(p.fullmatch(m) for p in patterns)} - set(_SUFFIXES):
+      raise ValueError(f"unknown suffix in {v!r}: use +rK, +L<blocks>-<blocks>..., +slotN and "
                        + ", ".join("+" + m for m in _SUFFIXES))
     if base in BASELINES and set(mods) - {"bf16", "mask", "xla", "ac"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16, +mask, +ac and +xla")
@@ -732,6 +802,13 @@ def main(argv=None):
     if base.partition("@")[0] not in BASELINES + PIPER[:4]:
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)
+  if args.child and args.mock_gpus:  # before JAX starts its backend
+    mock_gpus(args.mock_gpus)
+  if args.child and args.compile_only:
+    row = compile_variant(args.child, args.model, args.batch, args.microbatches, args.pp,
+                          args.zero, args.attention, args.seq_len, args.layers)
+    print("ROW " + json.dumps(row), flush=True)
+    return row
   if args.child:
     row = run_variant(args.child, args.model, args.batch, args.microbatches, args.steps, args.warmup,
                       args.pp, args.zero, args.attention, args.seq_len, args.layers,
@@ -745,6 +822,10 @@ def main(argv=None):
       rows.append(row)
       print(json.dumps(row), flush=True)
   import jax
+  if args.compile_only:
+    write_results(args, rows, "compile", jax=jax.__version__, mock_gpus=args.mock_gpus)
+    print(compile_table(rows))
+    return rows
   add_predictions(rows)
   write_results(args, rows, "results", jax=jax.__version__)
   print(table(rows))

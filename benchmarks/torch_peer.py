@@ -52,9 +52,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
 
-import hardware  # noqa: E402
+from piper_jax.planner.hardware import accelerator  # noqa: E402
 
 PRESETS = {
     "tiny": dict(vocab=256, seq=32, d=64, layers=4, heads=4),
@@ -437,7 +437,8 @@ def _worker(rank: int, world: int, variant: str, model: str, cfg: dict, batch: i
   losses = [r["loss"] for r in every if r["loss"] is not None]
   peak = max(r["peak"] for r in every)
   kind = torch.cuda.get_device_name(rank) if use_cuda else "cpu"
-  peak_flops = hardware.peak_flops(kind) if use_cuda else None
+  card = accelerator(kind) if use_cuda else None
+  peak_flops = card.peak_flops if card else None
   tps = batch * cfg["seq"] / step_s
   mfu = cfg["flops"] * tps / (world * peak_flops) if peak_flops else None
   row = {"variant": variant, "model": model, "devices": world, "device_kind": kind,

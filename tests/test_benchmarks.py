@@ -106,6 +106,7 @@ def test_baseline_of_each_variant():
 
 @pytest.mark.parametrize("variant,match", [("jit-dp+ep", "baselines take only \\+bf16"),
                                            ("dp+fast", "unknown suffix"),
+                                           ("pp-1f1b+noloop", "unknown suffix"),
                                            ("pp-1f1b+xla", "give --xla-flags"),
                                            ("pp-zb+remat+noremat", "contradict")])
 def test_bad_variants_are_reported_before_running(variant, match):
@@ -127,6 +128,15 @@ def test_stage_layers_suffix():
   assert dp.bucket_mb == 1.0 and dp.zero == 0 and len(dp.devices) == 8
   with pytest.raises(ValueError, match="summing to 8"):
     build("pp-1f1b+L5-4", "tiny", 2, 2)
+
+
+def test_suffixes_choose_lowering_options():
+  sys.path.insert(0, ROOT)
+  from benchmarks.run import lowering_options
+  options = lowering_options(["keepgathered", "stacked", "slot16", "noremat", "nocmdbuf"])
+  assert not options.zero3_reshard and not options.spread_uneven_slots and options.remat is False
+  assert options.slot_bytes == 16 << 20 and options.compiler_options == {}
+  assert lowering_options([]).changed() == {}
 
 
 @pytest.mark.timeout(120)
@@ -188,21 +198,6 @@ def test_qwen3_presets_in_run():
     run._config("268m", 1, layers=8)
 
 
-@pytest.mark.timeout(200)
-def test_first_step_rows(tmp_path):
-  # first_step.py: a case that runs gives its times and XLA's count of its memory.
-  out = tmp_path / "f.json"
-  script = os.path.join(ROOT, "benchmarks", "first_step.py")
-  proc = subprocess.run(
-      [sys.executable, script, "--model", "qwen3-tiny", "--layers", "1", "--modes", "fwd",
-       "--steps", "2", "--out", str(out)],
-      capture_output=True, text=True, timeout=180, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  (row,) = json.loads(out.read_text())
-  assert row["mode"] == "fwd" and row["layers"] == 1 and "error" not in row, row
-  assert row["step_ms"] > 0 and row["xla_gib"] > 0 and row["first_step_s"] >= row["first_call_s"]
-
-
 def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
   import argparse
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -248,7 +243,7 @@ def test_plot_draws_the_tables(tmp_path):
   md = tmp_path / "R.md"
   md.write_text(
       "# R\n\n## 2 x H200\n\n"
-      "| call | model | variant | GPUs | batch / mb | step ms | vs baseline | peak GiB |\n"
+      "| cmd | model | variant | GPUs | batch / mb | step ms | vs baseline | peak GiB |\n"
       "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
       "| 1 | 268M | jit-dp | 2 | 16 | 31.4 | 1.00x | 10.08 |\n"
       "| 1 | 268M | **pp-1f1b** | 2 | 16 / 8 | 46.7 | **0.68x** | - |\n"
@@ -261,23 +256,24 @@ def test_plot_draws_the_tables(tmp_path):
   assert (tmp_path / "r.png").stat().st_size > 1000
 
 
-def test_pick_names_run_variants_of_search_candidates():
-  # pick.py sets strategies.search's candidates beside run.py's rows of the same strategy.
+def test_planner_names_run_variants_of_search_candidates():
+  # planner.py pick sets strategies.search's candidates beside run.py's rows of the same
+  # strategy.
   import types
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  import pick
+  import planner
   mesh = lambda ep: types.SimpleNamespace(size=lambda axis: ep if axis == "ep" else 1)
   c = lambda schedule, dp, zero, mb, ep=False: types.SimpleNamespace(
       schedule=schedule, dp=dp, zero=zero, n_microbatches=mb,
       plan=types.SimpleNamespace(mesh=mesh(dp if ep else 1)))
-  assert pick.variant_of(c("dp", 4, 1, 1)) == "zero1" and pick.variant_of(c("dp", 4, 0, 1)) == "dp"
-  assert pick.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
-  assert pick.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
-  assert pick.variant_of(c("dualpipev", 1, 0, 8)) == "pp-dualpipev"
+  assert planner.variant_of(c("dp", 4, 1, 1)) == "zero1" and planner.variant_of(c("dp", 4, 0, 1)) == "dp"
+  assert planner.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
+  assert planner.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
+  assert planner.variant_of(c("dualpipev", 1, 0, 8)) == "pp-dualpipev"
   # Expert parallel: run.py's +ep rows, which have no ZeRO without a pipeline.
-  assert pick.variant_of(c("dp", 4, 0, 1, ep=True)) == "dp+ep"
-  assert pick.variant_of(c("dp", 4, 1, 1, ep=True)) is None
-  assert pick.variant_of(c("1f1b", 2, 0, 4, ep=True)) == "pp-1f1b+ep"
+  assert planner.variant_of(c("dp", 4, 0, 1, ep=True)) == "dp+ep"
+  assert planner.variant_of(c("dp", 4, 1, 1, ep=True)) is None
+  assert planner.variant_of(c("1f1b", 2, 0, 4, ep=True)) == "pp-1f1b+ep"
 
 
 def test_results_meta_keeps_the_shape_arguments_a_script_has(tmp_path):
@@ -312,11 +308,12 @@ def test_pipeline_rows_simulate_from_timed_regions(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_predict_estimates_expert_parallel_rows(tmp_path):
-  # predict.py sets the planner's estimate beside each piper-jax row of a raw file, the
-  # experts split over devices included, with matmuls at the FLOP/s of the call's baseline.
+def test_planner_estimates_expert_parallel_rows(tmp_path):
+  # planner.py estimate sets the planner's estimate beside each piper-jax row of a raw
+  # file, the experts split over devices included, with matmuls at the FLOP/s of the
+  # call's baseline.
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  import predict
+  import planner
   row = lambda variant, ms, gib: {"variant": variant, "model": "qwen3-moe-tiny", "devices": 4,
                                   "device_kind": "NVIDIA H200", "step_ms": ms, "peak_gib": gib,
                                   "mfu": 0.2, "attention": "xla"}
@@ -324,78 +321,36 @@ def test_predict_estimates_expert_parallel_rows(tmp_path):
   raw.write_text(json.dumps({"meta": {"batch": 8, "microbatches": 4, "pp": 2},
                              "rows": [row("shmap-dp", 2.0, 0.1), row("dp+ep", 1.5, 0.05),
                                       row("pp-1f1b+ep", 3.0, 0.05)]}))
-  out = {p["variant"]: p for p in predict.predict(str(raw), 300e9)}
+  out = {p["variant"]: p for p in planner.predict(str(raw), 300e9)}
   assert sorted(out) == ["dp+ep", "pp-1f1b+ep"]  # the baseline is what the others are against
   for p in out.values():
     assert p["predicted_gib"] > 0 and p["predicted_ms"] > 0 and p["measured_ms"] > 0
   # The pipeline's devices hold half the layers: fewer parameters than DP x EP's.
   assert out["pp-1f1b+ep"]["params_gib"] < out["dp+ep"]["params_gib"]
-  # compile_only.py's rows ran nothing: XLA's count stands for the measured memory.
+  # --compile-only rows ran nothing: XLA's count stands for the measured memory.
   raw.write_text(json.dumps({"meta": {"batch": 8, "microbatches": 4, "pp": 2},
                              "rows": [{"variant": "pp-1f1b+ep", "model": "qwen3-moe-tiny",
                                        "devices": 4, "xla_gib": 0.07, "attention": "xla"}]}))
-  (p,) = predict.predict(str(raw), 300e9)
+  (p,) = planner.predict(str(raw), 300e9)
   assert p["measured_gib"] == 0.07 and p["measured_ms"] is None and p["predicted_ms"] is None
   assert p["predicted_gib"] == out["pp-1f1b+ep"]["predicted_gib"]
 
 
 @pytest.mark.timeout(300)
-def test_compile_only_counts_memory_without_running(tmp_path):
-  # compile_only.py builds run.py's variants on shapes and compiles them: XLA's count of
+def test_compile_only_counts_memory_without_running():
+  # run.py --compile-only builds its variants on shapes and compiles them: XLA's count of
   # each program's memory, no step run; its baselines are run.py's own jitted steps.
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  import compile_only
-  out = tmp_path / "compile.json"
-  rows = compile_only.main(["--small", "--pp", "2", "--batch", "32", "--microbatches", "4",
-                            "--variants", "jit-dp,shmap-dp,pp-1f1b@z1,pp-nope", "--out", str(out)])
-  assert [r["variant"] for r in rows] == ["jit-dp", "shmap-dp", "pp-1f1b@z1", "pp-nope"]
-  for r in rows[:3]:
-    assert "error" not in r, r
+  import run
+  rows = [run.compile_variant(v, "tiny", batch=32, microbatches=4, pp=2)
+          for v in ("jit-dp", "pp-1f1b@z1")]
+  for r in rows:
     assert r["compile_s"] > 0 and r["xla_gib"] > 0 and r["devices"] == 8
-  assert rows[0]["build_s"] == 0 and rows[2]["build_s"] > 0 and rows[2]["microbatches"] == 4
+  assert rows[0]["build_s"] == 0 and rows[1]["build_s"] > 0 and rows[1]["microbatches"] == 4
   # Data parallel keeps every parameter and optimizer state on each device; 1F1B over 2
   # ranks half of them.
-  assert rows[2]["memory"]["arguments"] < rows[0]["memory"]["arguments"]
-  assert "error" in rows[3]  # a row that does not build says why; the others still ran
-  assert json.loads(out.read_text())["rows"][2]["variant"] == "pp-1f1b@z1"
-
-
-@pytest.mark.timeout(300)
-def test_tick_overhead_times_the_loops_parts(tmp_path):
-  # tick_overhead.py on 2 CPU devices: every variant compiles and runs, and the JSON has
-  # each one's time and its time per iteration over `plain`'s.
-  out = tmp_path / "tick.json"
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "tick_overhead.py"), "--cpu", "--acc",
-       "--variants", "plain,switch,switch+permute,overlap", "--out", str(out)],
-      capture_output=True, text=True, timeout=280)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  data = json.loads(out.read_text())
-  assert [r["variant"] for r in data["rows"]] == ["plain+xla", "switch+xla", "switch+permute+xla",
-                                                  "overlap+xla"]
-  assert all(r["step_ms"] > 0 and r["per_iter_over_plain_ms"] is not None for r in data["rows"])
-  assert data["devices"] == 2 and "out" not in data["args"]
-
-
-def test_peak_breakdown_sums_a_dumps_peak_by_computation_and_kind():
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  import peak_breakdown
-  text = """header
-  Stack trace breakdown for peak usage: 700 bytes
-    main.1_spmd (100.0%, total: 700 bytes, current: 0 bytes, remaining: 700 bytes)
-      ├── jit(f)/loop/while (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
-      │   └── region_3.9_spmd.sunk.clone (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
-      │       ├── jit(f)/loop/while/body/cond (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
-      │       │   ├── region_7.5_spmd (80.0%, total: 600 bytes, current: 0 bytes, remaining: 700 bytes)
-      │       │   │   ├── jit(f)/loop/while/body/cond/branch_1_fun/block_0/mlp/mul{0} (40.0%, total: 200 bytes, current: 200 bytes, remaining: 500 bytes)
-      │       │   │   ├── jit(f)/loop/while/body/cond/branch_1_fun/block_1/mlp/mul{1} (40.0%, total: 300 bytes, current: 300 bytes, remaining: 200 bytes)
-      │       │   │   └── jit(f)/loop/while/body/cond/branch_1_fun/add (10.0%, total: 100 bytes, current: 100 bytes, remaining: 100 bytes)
-      ├── state[0] (10.0%, total: 100 bytes, current: 100 bytes, remaining: 0 bytes)
-
-trailer
-"""
-  sums = peak_breakdown.breakdown(text)
-  assert sums["region_7"] == {"branch_1_fun/block_N/mlp/mul": 500, "branch_1_fun/add": 100}
-  assert sums["outside"] == {"state[0]": 100}
-  with pytest.raises(ValueError, match="live-range"):
-    peak_breakdown.breakdown("no breakdown here")
+  assert rows[1]["memory"]["arguments"] < rows[0]["memory"]["arguments"]
+  text = run.compile_table(rows)
+  assert "| tiny | pp-1f1b@z1 | 8 |" in text and "x jit-dp |" in text
+  with pytest.raises(ValueError, match="add --compile-only"):
+    run.main(["--small", "--mock-gpus", "4", "--variants", "jit-dp"])
