@@ -16,6 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from safetensors import safe_open  # noqa: E402
 
+import hf_fixture  # noqa: E402
 from examples import hf, qwen3, train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -245,6 +246,18 @@ def test_refuses_weights_that_do_not_fit(tmp_path):
     hf.save(str(tmp_path / "shared"), *_model("qwen3-moe-tiny", shared_intermediate=16))
 
 
+@pytest.mark.parametrize("case", sorted(hf_fixture.CASES))
+def test_logits_of_a_loaded_checkpoint_are_transformers(case, tmp_path):
+  # What transformers computed for the same checkpoint (tests/fixtures/make_hf_logits.py).
+  theirs = np.load(hf_fixture.FIXTURE)[case]
+  config = hf_fixture.write_checkpoint(str(tmp_path), case)
+  loaded_config, params = hf.load(str(tmp_path), attention="xla")
+  assert loaded_config == config
+  ours, _ = qwen3.make_model(loaded_config).apply(
+      {"params": params}, jnp.asarray(hf_fixture.tokens(config)))
+  assert np.abs(np.asarray(ours) - theirs).max() <= 1e-5
+
+
 def test_transformers_gives_the_same_logits(tmp_path):
   """Only where transformers and torch are installed (neither is a dependency)."""
   transformers = pytest.importorskip("transformers")
@@ -340,7 +353,8 @@ def test_train_from_checkpoint_with_tokenizer_and_save(tmp_path):
   hf.save(str(tmp_path / "ckpt"), config, params)
   _edit_config(str(tmp_path / "ckpt"), eos_token_id=1)
   argv = ["--init-from", str(tmp_path / "ckpt"), "--tokenizer", tokenizer,
-          "--data", str(tmp_path / "data"), "--strategy", "dp", "--batch", "8", "--quiet",
+          "--data", str(tmp_path / "data"), "--strategy", "pp-1f1b", "--stages", "2",
+          "--dp", "4", "--zero", "1", "--microbatches", "2", "--batch", "8", "--quiet",
           "--steps", "2", "--log-every", "1", "--seq-len", "16"]
   out = train.main(argv + ["--save-hf", str(tmp_path / "out")])
   # The first step's loss is the checkpoint's own on the first packed batch.
