@@ -16,6 +16,14 @@ if "xla_backend_optimization_level" not in _named:
 if "xla_cpu_use_fusion_emitters" not in _named:
   _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# Many tests compile the same programs (a reference run of the same model, the same
+# strategy from another test): one persistent cache for the whole run, which pytest's
+# workers and the tests' subprocesses inherit from the process that starts them.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="piper-jax-tests-")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 

@@ -75,7 +75,7 @@ DP = ["--strategy", "dp", "--batch", "8", "--data", "synthetic"]
 def test_piped_output_is_a_line_per_log_every_and_saves_are_timed_apart(tmp_path, capsys,
                                                                       monkeypatch):
   # capsys is no terminal: plain lines, no progress bar. A CPU's peak FLOP/s is unknown,
-  # so no FLOP/s figure. A slow save shows on its own line, not in the steps' tok/s.
+  # so no MFU. A slow save shows on its own line, not in the steps' tok/s.
   def slow_save(directory, state, step):
     time.sleep(1.0)
 
@@ -87,12 +87,12 @@ def test_piped_output_is_a_line_per_log_every_and_saves_are_timed_apart(tmp_path
   steps = [l for l in lines if re.match(r"step +\d+ +loss", l)]
   assert len(steps) == 3, captured.out
   for done, line in zip((2, 4, 6), steps):
-    assert re.fullmatch(rf"step +{done} +loss \d+\.\d{{4}} +[\d,]+ tok/s", line), line
+    assert re.fullmatch(rf"step +{done} +loss \d+\.\d{{4}} +[\d,]+ tok/s +lr 1\.00e-03", line), line
   assert sum("checkpoint saved" in l for l in lines) == 3, captured.out
-  assert "TFLOP" not in captured.out + captured.err
+  assert "MFU" not in captured.out + captured.err
   assert "\r" not in captured.out + captured.err  # no progress bar redraws
   rows = [json.loads(l) for l in open(tmp_path / "m.jsonl")]
-  assert "tflops_per_device" not in rows[0]
+  assert "mfu" not in rows[0] and rows[0]["lr"] == 1e-3
   assert all(r["seconds"] < 0.5 for r in rows if r["step"] > 2), rows  # after compilation
 
 
