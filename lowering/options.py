@@ -31,12 +31,6 @@ class LoweringOptions:
     slot_bytes: a region's leaves of one dtype fill slots of at most this many bytes,
       each its own buffer, so that one slot's update can run while another's gradients
       are still being reduced.
-    column_sum_rows: a bias gradient summed over at most this many rows gets its own
-      kernel (behind an optimization barrier) instead of fusing into another reader.
-    wide_weight_grads: over several microbatches, a bf16 matmul's weight gradient is a
-      GEMM writing fp32, with no bf16 rounding or convert before the sum.
-    slim_carry: ZB's BI hands BW the smaller values BW's cheap equations make the
-      values it reads from, and BW redoes those equations.
     write_stores_after_switch: the loop's branches return the values they made and the
       rows they go to, written into the stores after the slot's switch, instead of
       returning the stores written in place. None: on CPU only, where XLA gives a switch
@@ -56,9 +50,6 @@ class LoweringOptions:
   shard_masters: bool = True
   spread_uneven_slots: bool = True
   slot_bytes: int = 64 << 20
-  column_sum_rows: int = 4096
-  wide_weight_grads: bool = True
-  slim_carry: bool = True
   write_stores_after_switch: bool | None = None
   zero3_reshard: bool = True
   compiler_options: Mapping[str, object] | None = None
@@ -66,6 +57,15 @@ class LoweringOptions:
   def __post_init__(self):
     if self.slot_bytes < 1:
       raise ValueError(f"slot_bytes must be >= 1, got {self.slot_bytes}")
+
+  def resolved(self, n_pp: int, platform: str) -> "LoweringOptions":
+    """These options with every None decided, for a plan of `n_pp` pipeline ranks on
+    `platform` ("cpu", "gpu"): the one place the defaults are chosen; `pj.compile` and
+    the planner read the result."""
+    remat = n_pp > 1 if self.remat is None else self.remat
+    after = (platform == "cpu" if self.write_stores_after_switch is None
+             else self.write_stores_after_switch)
+    return dataclasses.replace(self, remat=remat, write_stores_after_switch=after)
 
   def changed(self) -> dict:
     """The options that differ from the defaults, for printing with a plan."""

@@ -154,7 +154,8 @@ class Program:
     `region_key`: a region that traces like an earlier one (a pipeline's middle stages)
     takes that one's jaxprs, relabelled with its own names."""
     remat = bool(options.remat)
-    wide = options.wide_weight_grads and plan.n_microbatches > 1
+    # Gradients summed over microbatches: bf16 weight-gradient GEMMs write fp32.
+    wide = plan.n_microbatches > 1
     backward = {t.region for t in plan.tasks.values() if t.pass_ in (Pass.B, Pass.BI)}
     # The full key reads every equation: only regions that agree on a cheap outline
     # (equation count and input and output shapes) compute it.
@@ -181,8 +182,7 @@ class Program:
       if r in backward:
         out_avals = runner.out_avals(r)
         cts = [out_avals[k] for k in self.ad[r].float_outs]
-        self.split[r] = split_backward(self.ad[r], cts, runner.axis_env, wide,
-                                       options.slim_carry, options.column_sum_rows)
+        self.split[r] = split_backward(self.ad[r], cts, runner.axis_env, wide)
 
   def sums(self) -> jax.Array:
     """Zero running sums of what a step reports: the loss, then each aux leaf."""

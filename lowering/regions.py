@@ -406,6 +406,11 @@ def region_forward(ad: RegionAD, params, batch, acts):
   return outs, [env[v] for v in ad.stored]
 
 
+# A bias gradient summed over at most this many rows gets its own kernel: fused into
+# LayerNorm's backward (which reads the same cotangent) it ran several times slower.
+COLUMN_SUM_ROWS = 4096
+
+
 def _column_sum(eqn, max_rows: int) -> bool:
   if eqn.primitive.name != "reduce_sum":
     return False
@@ -492,12 +497,15 @@ def _needed(eqns, outvars) -> list[bool]:
   return keep
 
 
-def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False,
-                   slim_carry: bool = True, column_sum_rows: int = 4096) -> BackwardSplit:
+def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> BackwardSplit:
   """Traces region B once and partitions its equations into BI and BW (B runs them all).
 
-  `wide`: bf16 weight-gradient GEMMs write fp32 (for gradients summed over microbatches);
-  `slim_carry` and `column_sum_rows`: as `LoweringOptions` says.
+  BI hands BW the smallest values BW can remake what it reads from with cheap
+  equations (ZB's handover: the bf16 values, not the fp32 casts BW reads); a bias
+  gradient summed over at most `COLUMN_SUM_ROWS` rows reads its cotangent through a
+  barrier (its own kernel, not fused into another reader of the cotangent). `wide`:
+  bf16 weight-gradient GEMMs write fp32 (for gradients summed over microbatches: no
+  bf16 rounding before the sum).
   """
   def bwd(res, cts):
     d_params, d_acts = jax.tree_util.tree_unflatten(ad.res_tree, res)(list(cts))
@@ -515,14 +523,14 @@ def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False,
   for v in [v for e in bw_eqns for v in e.invars] + list(j.outvars[:n_p]):
     if not isinstance(v, Literal) and v in bi_defined and v not in carry:
       carry.append(v)
-  if slim_carry and carry:
+  if carry:
     defined = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
     carry, redo, _ = _plan_recompute(j, carry, set(j.invars) | set(j.constvars), defined, True)
     bw_idx = {i for i, (k, b) in enumerate(zip(bw_keep, bi_keep)) if k and not b} | redo
     bw_eqns = [j.eqns[i] for i in sorted(bw_idx)]
   wide = _weight_grad_dots(j.eqns, j.outvars, j.outvars[:n_p]) if wide else frozenset()
   return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p,
-                       _Rewrite(column_sum_rows, wide))
+                       _Rewrite(COLUMN_SUM_ROWS, wide))
 
 
 def _env(split: BackwardSplit, res, cts) -> dict:

@@ -140,12 +140,7 @@ class TrainStep:
     self.plan: Plan = plan
     self.batch_size = batch_size
     self._traced = traced
-    options = options or LoweringOptions()
-    if options.remat is None:  # faster and smaller in every pipeline measured
-      options = dataclasses.replace(options, remat=pm.n_pp > 1)
-    if options.write_stores_after_switch is None:
-      options = dataclasses.replace(
-          options, write_stores_after_switch=self.devices[0].platform == "cpu")
+    options = (options or LoweringOptions()).resolved(pm.n_pp, self.devices[0].platform)
     self.options: LoweringOptions = options
     self._layout = layout = ParamLayout(traced.spec, plan, traced.param_casts(), options)
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}

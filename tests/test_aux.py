@@ -110,3 +110,47 @@ def test_aux_refusals():
     return loss(p, b)[0], {"lr": jnp.float32(0.1)}
   with pytest.raises(ValueError, match=r"aux\['lr'\] is a constant"):
     pj.compile(constant, tx, directives, params, batch, devices=devices, has_aux=True)
+
+
+def _compare_aux(loss, params, batches, directives, n_devices, tx):
+  step = pj.compile(loss, tx, directives, params, batches[0], devices=jax.devices()[:n_devices],
+                    has_aux=True)
+  state = step.init(params)
+  for b, (ref_value, ref_aux) in zip(batches, _one_device(loss, params, batches, tx)):
+    state, (value, aux) = step(state, b)
+    np.testing.assert_allclose(float(value), ref_value, rtol=1e-5)
+    for k in ref_aux:
+      np.testing.assert_allclose(float(aux[k]), ref_aux[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  return step
+
+
+def test_aux_of_an_expert_parallel_pipeline():
+  # A MoE Qwen3's cross-entropy and load-balancing loss (made outside the experts'
+  # regions), 1F1B x DP 2 with the experts split over each rank's 2 devices.
+  from examples import qwen3
+  config = qwen3.get_config("qwen3-moe-tiny", n_stages=2, seq_len=16)
+  model = qwen3.make_model(config)
+  params = jax.jit(lambda rng: qwen3.init_params(model, rng))(jax.random.PRNGKey(0))
+  batches = [qwen3.random_batch(config, jax.random.PRNGKey(i), 8) for i in range(2)]
+  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1)
+  directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
+  tx = optax.adamw(1e-2, eps=1e-6)
+  step = _compare_aux(qwen3.loss_fn(model, metrics=True), params, batches, directives, 4, tx)
+  assert step.plan.mesh.size("ep") == 2 and step.aux_names == ["aux['ce']", "aux['load_balance']"]
+
+
+def test_aux_of_a_tensor_parallel_step():
+  from examples import gpt
+  from models import tp_gpt
+  config, _, params = tp_gpt()
+  model = gpt.GPT(config)
+
+  def loss(params, batch):
+    logits = model.apply({"params": params}, batch["tokens"]).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    return ce, {"ce": ce, "top1": jnp.mean((logits.argmax(-1) == batch["targets"]).astype(
+        jnp.float32))}
+
+  batches = [gpt.random_batch(config, jax.random.PRNGKey(i), 8) for i in range(2)]
+  directives = [pj.replicate({}, [0, 1, 2, 3], zero=3), pj.shard_tensor({}, [0, 1])]
+  _compare_aux(loss, params, batches, directives, 4, optax.adam(1e-2))

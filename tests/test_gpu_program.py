@@ -7,7 +7,7 @@ in any order and hung an EP step); a GPU runs one program order, where a bucket'
 all-reduce overlaps the next tick's work, so no such dependency may be added there. On
 GPUs a pipeline's jit also takes `Program.compiler_options("gpu")` (the loop's
 conditionals and the loop itself as CUDA graphs), and bf16 weight-gradient GEMMs read bf16 and write fp32
-(`regions.WIDE_WEIGHT_GRADS`; the CPU widens their operands first). Here the GPU's
+(where gradients sum over microbatches; the CPU widens their operands first). Here the GPU's
 `Program` is put in `pj.compile`'s place (`_gpu_program`), and the step is traced,
 lowered for CUDA (`jax.stages.Traced.lower(lowering_platforms=("cuda",))`, which needs
 no GPU) and run on CPU devices.
@@ -146,7 +146,7 @@ def _jit_options(lowered) -> dict:
 
 def test_gpu_weight_gradient_gemms_write_fp32(monkeypatch):
   # A bf16 GPT's weight gradients: on a GPU the GEMM reads bf16 and writes fp32
-  # (`regions.WIDE_WEIGHT_GRADS`); XLA's CPU runtime has no such dot, so on CPU
+  # (gradients summed over microbatches); XLA's CPU runtime has no such dot, so on CPU
   # the operands are widened first. Lowered for CUDA with the backend taken for a GPU.
   config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2,
                          n_stages=2, dtype=jnp.bfloat16, attention="xla")
