@@ -94,11 +94,13 @@ def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_le
 
 
 def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0,
-            calibrate: str | None = None) -> list[dict]:
+            calibrate: str | None = None, target: str | None = None) -> list[dict]:
   """Rows of estimates for a raw file; `seq_len` and `layers` stand in for a file whose
   meta does not say them (run.py's before it recorded them). With `calibrate` (a cache
   file), step times also come from each region's F and B timed on this machine's first
-  device at the row's microbatch rows (`pj.calibrate`, with the row's attention)."""
+  device at the row's microbatch rows (`pj.calibrate`, with the row's attention). With
+  `target` (a card's name), the costs are `CostModel.for_accelerator(target)`'s, nothing
+  measured: what a machine without the cards predicts."""
   import jax
   import optax
 
@@ -106,7 +108,10 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
   data = json.load(open(path))
   meta, rows = data["meta"], data["rows"]
   ok = [r for r in rows if "error" not in r]
-  costs, base = baseline_costs(ok, link_bytes_per_s, meta, seq_len, layers)
+  if target:
+    costs, base = pj.strategies.CostModel.for_accelerator(target), {"target": target}
+  else:
+    costs, base = baseline_costs(ok, link_bytes_per_s, meta, seq_len, layers)
   out = []
   for r in ok:
     variant = r["variant"]
@@ -164,12 +169,13 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
 
 def estimate_main(args) -> None:
   print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
-        "activations, weight copies, working, per-tick sums' copy; grads beside activations "
+        "activations, weight copies, working; grads beside activations "
         "or the larger) | "
         "step ms measured | predicted (of it the optimizer's update) | from timed regions |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
   for path in args.files:
-    for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers, args.calibrate):
+    for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers, args.calibrate,
+                     args.target):
       parts = ", ".join(f"{p[k]:.2f}" for k in ("params_gib", "grads_gib", "optimizer_gib",
                                                 "activations_gib", "copies_gib", "working_gib"))
       parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
@@ -398,6 +404,9 @@ def main(argv=None):
   est = sub.add_parser("estimate", parents=[costed],
                        help="the planner's memory and step time beside each measured row")
   est.add_argument("files", nargs="+", help="raw JSON files of run.py")
+  est.add_argument("--target", default=None, metavar="CARD",
+                   help="cost for this card (pj.planner.ACCELERATORS) instead of the FLOP/s "
+                        "the file's baseline measured: a prediction made without the cards")
   pk = sub.add_parser("pick", parents=[costed],
                       help="what strategies.search picks, beside the measured rows")
   pk.add_argument("files", nargs="+", help="raw JSON files of run.py from one machine and "

@@ -60,6 +60,7 @@ class GPTConfig:
     attention: `jax.nn.dot_product_attention`'s implementation ("xla", "cudnn"), or
       "xla+remat" (XLA's, its scores recomputed in the backward: a fused kernel's
       memory without one); None picks cuDNN for bf16/fp16 on GPU and XLA elsewhere.
+      "cudnn" on a host without it (planning GPUs on a laptop) runs "xla+remat".
     tp_axis: when set, the attention and MLP weights carry Flax partitioning
       names (`nn.with_partitioning`) in Megatron's layout: qkv and fc split by
       columns (heads), out and proj by rows, along this name - what
@@ -159,6 +160,10 @@ def causal_attention(cfg, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
   """Causal `jax.nn.dot_product_attention` of [batch, seq, heads, head_dim] arrays with
   `attention_implementation(cfg)`."""
   impl = attention_implementation(cfg)
+  if impl == "cudnn" and jax.default_backend() != "gpu":
+    # Asked for cuDNN where there is none (a plan for GPUs made on a laptop): XLA's
+    # attention with cuDNN's memory, the same function.
+    impl = "xla+remat"
   if impl == "xla+remat":
     # Only q, k and v are kept for the backward, as a fused kernel keeps them, not the
     # T x T probabilities: memory estimated on a CPU then matches cuDNN's on a GPU.
@@ -167,8 +172,9 @@ def causal_attention(cfg, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
-def attention_implementation(cfg: GPTConfig) -> str:
-  """`cfg.attention`, or by default cuDNN's fused attention for bf16/fp16 on GPU, else XLA.
+def attention_implementation(cfg: GPTConfig, platform: str | None = None) -> str:
+  """`cfg.attention`, or by default cuDNN's fused attention for bf16/fp16 on GPU, else XLA;
+  `platform` ("gpu", "cpu"): the one the model will run on (None: this machine's).
 
   (`jax.nn.dot_product_attention` itself defaults to XLA's, which materializes the
   scores.) cuDNN needs a head dim that is a multiple of 8, at most 128.
@@ -180,7 +186,8 @@ def attention_implementation(cfg: GPTConfig) -> str:
   # Regions under shard_tensor are evaluated piece by piece, primitive by primitive;
   # the cuDNN call has no such rule, XLA's attention does.
   plain = cfg.tp_axis is None
-  nvidia = jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind
+  nvidia = (platform == "gpu" if platform is not None else
+            jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind)
   return "cudnn" if half and fits and plain and nvidia else "xla"
 
 

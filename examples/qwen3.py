@@ -112,7 +112,8 @@ class Qwen3Config:
     param_dtype: parameter dtype.
     attention: `jax.nn.dot_product_attention`'s implementation ("xla", "cudnn"), or
       "xla+remat" (`examples.gpt.causal_attention`); None picks cuDNN for bf16/fp16
-      on NVIDIA GPUs and XLA elsewhere.
+      on NVIDIA GPUs and XLA elsewhere. "cudnn" on a host without it (planning GPUs
+      on a laptop) traces XLA's attention with cuDNN's memory ("xla+remat").
     tp_axis: when set, Megatron partitioning names along this axis (module docstring).
     remat: checkpoint every block (`nn.remat`): its backward recomputes it from its input,
       the one value the forward keeps for it (dense blocks only).

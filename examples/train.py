@@ -59,7 +59,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import piper_jax as pj
-from piper_jax.planner import accelerator
+from piper_jax.planner import ACCELERATORS, accelerator
 
 try:
   from examples import gpt, hf, moe, qwen3
@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--memory-gib", type=float, default=None,
                  help="auto: memory per device the strategy must fit (default: the "
                       "device's, or 16 GiB on CPU)")
+  p.add_argument("--plan-for", metavar="CARD", default=None,
+                 help="auto: plan for this card (" + ", ".join(ACCELERATORS) + ") instead of "
+                      "this machine's devices, print the table and stop: its memory, "
+                      "FLOP/s and links, the model traced as it runs there (fused "
+                      "attention's memory), from any machine (default: plan and train here)")
+  p.add_argument("--plan-devices", type=int, default=None,
+                 help="--plan-for: how many cards (default: this machine's device count)")
   p.add_argument("--timelines", metavar="DIR", default=None,
                  help="auto: draw the plans of the three fastest candidates into DIR "
                       "(default: none drawn)")
@@ -225,13 +232,19 @@ def build_strategy(args, n_devices: int):
   if args.calibrate and args.strategy != "auto":
     raise UsageError("--calibrate times regions for --strategy auto's ranking; add "
                      "--strategy auto or drop --calibrate")
+  if (args.plan_for or args.plan_devices) and args.strategy != "auto":
+    raise UsageError("--plan-for and --plan-devices plan a strategy: add --strategy auto")
+  if args.plan_for and accelerator(args.plan_for) is None:
+    raise UsageError(f"--plan-for {args.plan_for}: choose one of {', '.join(ACCELERATORS)}")
+  if args.plan_devices is not None and not args.plan_for:
+    raise UsageError("--plan-devices counts the cards of --plan-for: add --plan-for CARD")
   if args.strategy == "auto":
     if args.dp != 1 or args.zero != 0:
       raise UsageError("--strategy auto chooses data parallelism and ZeRO itself; drop --dp "
                        "and --zero (--ep keeps only candidates with the experts split)")
     if args.stages < 1:
       raise UsageError(f"--stages {args.stages} must be positive")
-    return None, n_devices, args.stages
+    return None, args.plan_devices or n_devices, args.stages
   directives, n_used, n_stages = _base_strategy(args, n_devices)
   if args.ep:
     n_experts = _n_experts(args)
@@ -293,9 +306,19 @@ def device_memory_bytes(device, cpu_default_gib: float = 16.0) -> float:
   return float(limit) if limit else cpu_default_gib * 2 ** 30
 
 
-def search_strategy(args, loss_fn, optimizer, params, batch, devices):
+def checkpointing_variants(family, config, experts: int) -> dict:
+  """The search's activation checkpointing choices where the model offers them: a dense
+  Qwen3 with every block under nn.remat."""
+  if family is not qwen3 or experts or isinstance(config, qwen3.Qwen3MoEConfig) or config.remat:
+    return {}
+  return {"per block": family.loss_fn(build_model(family, dataclasses.replace(config, remat=True),
+                                                  experts))}
+
+
+def search_strategy(args, loss_fn, optimizer, params, batch, devices, checkpointing=None):
   """`--strategy auto`: searches, prints the table; returns the compiled step of the
-  fastest candidate that fits the devices' memory."""
+  fastest candidate that fits the devices' memory (`checkpointing`: the model's
+  activation checkpointing variants, tried as well)."""
   memory = (args.memory_gib * 2 ** 30 if args.memory_gib is not None
             else device_memory_bytes(devices[0]))
   costs = None
@@ -311,7 +334,8 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
     result = pj.strategies.search(loss_fn, optimizer, params, batch, len(devices), memory,
                                   remat=args.remat, reduce_dtype=args.reduce_dtype,
                                   bucket_mb=args.bucket_mb or None, costs=costs,
-                                  expert_parallel=True if args.ep else None)
+                                  expert_parallel=True if args.ep else None,
+                                  checkpointing=checkpointing)
   except ValueError as e:
     raise UsageError(f"--strategy auto: {e}") from e
   print(f"strategy search over {len(devices)} device(s), {memory / 2 ** 30:.3g} GiB each: "
@@ -327,6 +351,41 @@ def search_strategy(args, loss_fn, optimizer, params, batch, devices):
   print(f"chosen: {best.name}, {best.n_microbatches} microbatch(es); compiled, it needs "
         f"{step.memory().total / 2 ** 30:.3g} GiB per device")
   return step
+
+
+def plan_for(args, n_stages: int, dtype, n_devices: int) -> dict:
+  """--plan-for CARD: the search's table for `n_devices` of that card, made on shapes on
+  this machine (nothing is initialised, compiled or run); the model as it runs there:
+  the preset's vocabulary, and cuDNN's fused attention where the card would run it
+  (traced here with the same memory)."""
+  if args.init_from:
+    raise UsageError("--plan-for plans a --model preset on shapes; drop --init-from (name "
+                     "the checkpoint's preset with --model)")
+  family, config = preset_config(args, n_stages, dtype, None)
+  if getattr(config, "attention", "given") is None:
+    config = dataclasses.replace(config, attention=gpt.attention_implementation(config, "gpu"))
+  model = build_model(family, config, args.experts)
+  params = jax.eval_shape(lambda: family.init_params(model, jax.random.PRNGKey(args.seed)))
+  tokens = jax.ShapeDtypeStruct((args.batch, config.seq_len), jnp.int32)
+  batch = {"tokens": tokens, "targets": tokens}
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr))
+  card = accelerator(args.plan_for)
+  memory = args.memory_gib * 2 ** 30 if args.memory_gib is not None else card.memory_bytes
+  try:
+    result = pj.strategies.search(family.loss_fn(model), optimizer, params, batch, n_devices,
+                                  memory, target=card, remat=args.remat,
+                                  reduce_dtype=args.reduce_dtype,
+                                  bucket_mb=args.bucket_mb or None,
+                                  expert_parallel=True if args.ep else None,
+                                  checkpointing=checkpointing_variants(family, config,
+                                                                       args.experts))
+  except ValueError as e:
+    raise UsageError(f"--plan-for {args.plan_for}: {e}") from e
+  print(f"strategy search for {n_devices} x {card.name} ({memory / 2 ** 30:.3g} GiB each), "
+        f"planned on this machine: {len(result.candidates)} fit, {len(result.rejected)} "
+        f"rejected")
+  print(result.table())
+  return {"search": result}
 
 
 class TrainingDiverged(RuntimeError):
@@ -757,6 +816,8 @@ def run(args) -> dict:
   vocab_size = (None if args.data == "synthetic" else
                 tokenizer.get_vocab_size() if tokenizer else 256)
   rng = jax.random.PRNGKey(args.seed)
+  if args.plan_for:
+    return plan_for(args, n_stages, dtype, n_used)
   if args.init_from:
     family = qwen3
     config, params = checkpoint_model(args, n_stages, dtype, vocab_size)
@@ -785,7 +846,8 @@ def run(args) -> dict:
   loss_of = lambda m: family.loss_fn(m, metrics=True) if metrics else family.loss_fn(m)
   loss_fn = loss_of(model)
   if directives is None:
-    step = search_strategy(args, loss_fn, optimizer, params, get_batch(0), devices)
+    step = search_strategy(args, loss_fn, optimizer, params, get_batch(0), devices,
+                           checkpointing_variants(family, config, args.experts))
   else:
     step = pj.compile(loss_fn, optimizer, directives, params, get_batch(0),
                       devices=devices, remat=args.remat, has_aux=metrics)

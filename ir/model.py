@@ -34,6 +34,8 @@ class RegionSpec:
   outputs: tuple[TensorSpec, ...]      # activations later regions read (per microbatch)
   produces_loss: bool = False
   flops: float = 0.0                   # forward FLOPs for the whole batch
+  # Of those, the FLOPs its backward runs again (what jax.checkpoint leaves to recompute).
+  recompute_flops: float = 0.0
 
   @property
   def name(self) -> str:

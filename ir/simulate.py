@@ -51,8 +51,8 @@ def simulate(plan, costs: Mapping[str, float]) -> SimReport:
       A missing "B" is BI + BW; a missing "BI"/"BW" is half of "B". Per region, keys
       (region index, pass) instead, e.g. `{(0, "F"): 1.2, (0, "B"): 2.5, ...}` for
       every region (measured times: `pj.calibrate`). Or "flops": each task costs its
-      region's matmul FLOPs from the jaxpr (B twice F), in units of the largest
-      region's forward.
+      region's matmul FLOPs from the jaxpr (B twice F, plus the forward FLOPs it
+      recomputes under a checkpoint), in units of the largest region's forward.
 
   Returns:
     A `SimReport`.
@@ -92,11 +92,14 @@ def _region_costs(plan, costs: dict) -> dict[str, float]:
 
 
 def _flop_costs(plan) -> dict[str, float]:
-  """Task costs from the jaxpr: a region's forward FLOPs for F, twice that for B, once for BI/BW."""
+  """Task costs from the jaxpr: a region's forward FLOPs for F, twice that for B, once for
+  BI/BW; B and BI also run again what the forward checkpointed (`recompute_flops`)."""
   scale = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0}
-  flops = {r.index: r.flops for r in plan.model.regions}
-  top = max(flops.values()) or 1.0
-  return {i: scale[t.pass_.value] * max(flops[t.region], 1e-3 * top) / top
+  again = {"F": 0.0, "B": 1.0, "BI": 1.0, "BW": 0.0}
+  regions = {r.index: r for r in plan.model.regions}
+  top = max(r.flops for r in regions.values()) or 1.0
+  return {i: (scale[t.pass_.value] * max(regions[t.region].flops, 1e-3 * top)
+              + again[t.pass_.value] * regions[t.region].recompute_flops) / top
           for i, t in plan.tasks.items()}
 
 

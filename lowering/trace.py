@@ -55,6 +55,14 @@ def _is_float(aval) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
+def _sub_eqns(eqn):
+  """The equations of `eqn`'s sub-jaxprs (a jit's, a checkpoint's, a scan's body)."""
+  for p in eqn.params.values():
+    sub = getattr(p, "jaxpr", p)
+    if hasattr(sub, "eqns"):
+      yield from sub.eqns
+
+
 def _eqn_flops(eqn) -> float:
   """Matmul FLOPs of an equation (2*M*N*K per dot_general), recursing into sub-jaxprs."""
   if eqn.primitive.name == "dot_general":
@@ -63,12 +71,18 @@ def _eqn_flops(eqn) -> float:
     for d in lc:
       k *= eqn.invars[0].aval.shape[d]
     return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * k
-  total = 0.0
-  for p in eqn.params.values():
-    sub = getattr(p, "jaxpr", p)
-    if hasattr(sub, "eqns"):
-      total += sum(_eqn_flops(e) for e in sub.eqns)
-  return total
+  return sum(_eqn_flops(e) for e in _sub_eqns(eqn))
+
+
+# The primitives of `jax.checkpoint` / `nn.remat`: the backward runs their forward again.
+_CHECKPOINT_PRIMITIVES = ("checkpoint", "remat2")  # jax.checkpoint's names across versions
+
+
+def _recompute_flops(eqn) -> float:
+  """Matmul FLOPs of an equation that run under a checkpoint (recomputed in B)."""
+  if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
+    return _eqn_flops(eqn)
+  return sum(_recompute_flops(e) for e in _sub_eqns(eqn))
 
 
 def _inner_scope(eqn) -> tuple:
@@ -272,7 +286,8 @@ class TracedLoss:
       specs.append(RegionSpec(
           index=i, tags=r.tags, params=tuple(param_idx[v] for v in r.param_vars),
           batch=tuple(batch_idx[v] for v in r.batch_vars), inputs=tuple(inputs), outputs=outs,
-          produces_loss=(i == self.loss_region), flops=sum(_eqn_flops(e) for e in r.eqns)))
+          produces_loss=(i == self.loss_region), flops=sum(_eqn_flops(e) for e in r.eqns),
+          recompute_flops=sum(_recompute_flops(e) for e in r.eqns)))
     return ModelSpec(
         regions=tuple(specs),
         params=tuple(_spec(n, a, names)

@@ -142,3 +142,4 @@ def test_the_search_table_is_markdown_and_says_how_many_it_shows():
       "1f1b pp2 [0-1 | 2-3] x dp4 zero1, 4 microbatches")
   assert str(slow).splitlines()[0] == "dp8 zero0, 1 microbatch"
   assert fast.peak_memory == 3 * GIB // 2
+

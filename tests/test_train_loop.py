@@ -49,6 +49,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     (["--strategy", "pp-dualpipev", "--stages", "3"], 8, "even --stages"),
     (["--strategy", "dp", "--batch", "12"], 8, "divisible by the 8 devices"),
     (["--strategy", "dp", "--calibrate", "t.json"], 8, "add --strategy auto"),
+    (["--strategy", "dp", "--plan-for", "H200"], 8, "add --strategy auto"),
+    (["--strategy", "auto", "--plan-for", "B300"], 8, "choose one of H100, H200, A100"),
+    (["--strategy", "auto", "--plan-devices", "64"], 8, "add --plan-for CARD"),
 ])
 def test_usage_errors(argv, n_devices, match):
   with pytest.raises(train.UsageError, match=match):
@@ -130,3 +133,12 @@ def test_moe_metrics_and_learning_rate_are_logged(tmp_path, capsys):
   assert "mfu" not in rows[0]  # a CPU's peak is unknown
   printed = capsys.readouterr().out
   assert re.search(r"step +3  loss [\d.]+  ce [\d.]+  load_balance [\d.]+  [\d,]+ tok/s  lr ", printed)
+
+
+def test_plan_for_cards_this_machine_does_not_have(capsys):
+  # 64 H200s planned on this CPU, on shapes: nothing initialised, compiled or run.
+  out = train.main(["--strategy", "auto", "--plan-for", "H200", "--plan-devices", "64",
+                    "--model", "tiny", "--batch", "64", "--dtype", "bfloat16"])
+  result = out["search"]
+  assert result.candidates and all(c.n_ranks * c.dp == 64 for c in result.candidates)
+  assert "strategy search for 64 x H200 (140 GiB each)" in capsys.readouterr().out

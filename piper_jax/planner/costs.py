@@ -24,6 +24,7 @@ from piper_jax.ir.plan import Plan
 from piper_jax.lowering import (LoweringOptions, ParamLayout, RegionRunner, analyze_region,
                                 lowers_as_loop, trace_loss)
 from piper_jax.planner.calibrate import RegionTimes
+from piper_jax.planner.hardware import ACCELERATORS, Accelerator, accelerator
 
 __all__ = ["CostModel", "MemoryEstimate", "Estimate", "estimate", "measure_model",
            "estimate_plan", "MeasuredModel", "format_bytes", "format_time"]
@@ -57,6 +58,21 @@ class CostModel:
   tick_overhead_s: float = 20e-6
   memory_bytes_per_s: float = 3e12
   region_times: RegionTimes | None = None
+
+  @classmethod
+  def for_accelerator(cls, card: "Accelerator | str", mfu: float = 0.55,
+                      **fields) -> "CostModel":
+    """The cost model of a card the planner knows (`ACCELERATORS`, or its name): matmuls
+    at `mfu` of its dense bf16 peak (dense models of 1-8B parameters reach 0.55-0.57 on
+    an H200 with cuDNN attention), its memory bandwidth and its links within a host,
+    whatever machine plans; `fields` set the others (`region_times`, ...)."""
+    found = card if isinstance(card, Accelerator) else accelerator(card)
+    if found is None:
+      raise ValueError(f"unknown accelerator {card!r}; choose one of {list(ACCELERATORS)}, or "
+                       f"pass a piper_jax.planner.Accelerator")
+    return cls(**{"flops_per_s": mfu * found.peak_flops,
+                  "memory_bytes_per_s": found.memory_bytes_per_s,
+                  "link_bytes_per_s": found.link_bytes_per_s, **fields})
 
   def update_seconds(self, param_bytes: float, opt_ratio: float) -> float:
     """Seconds of the optimizer's update over `param_bytes` of parameters with
@@ -426,6 +442,8 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
   """
   model = measure_model(loss_fn, optimizer, params, example_batch)
   plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
-  use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
-  return estimate_plan(model, plan, costs or CostModel(), use_remat,
-                       options or LoweringOptions())
+  options = options or LoweringOptions()
+  if remat is not None:
+    options = dataclasses.replace(options, remat=remat)
+  options = options.resolved(plan.mesh.n_pp, "gpu")
+  return estimate_plan(model, plan, costs or CostModel(), options.remat, options)

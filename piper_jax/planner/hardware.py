@@ -18,6 +18,9 @@ class Accelerator:
     peak_flops: dense bf16 matrix FLOP/s (no sparsity), what MFU is measured against.
     memory_bytes: device memory, as the driver reports it.
     memory_bytes_per_s: memory bandwidth (HBM, as specified).
+    link_bytes_per_s: what one device's collectives move per second to the other
+      devices of its host (NVLink's 450 GB/s a direction on H100 and H200, of which
+      an all-reduce's bus reaches about two thirds).
   """
 
   name: str
@@ -25,12 +28,13 @@ class Accelerator:
   peak_flops: float
   memory_bytes: int
   memory_bytes_per_s: float
+  link_bytes_per_s: float
 
 
 ACCELERATORS = {a.name: a for a in (
-    Accelerator("H100", "gpu", 989e12, 81559 * 2**20, 3.35e12),
-    Accelerator("H200", "gpu", 989e12, 143771 * 2**20, 4.8e12),
-    Accelerator("A100", "gpu", 312e12, 81920 * 2**20, 2.0e12),
+    Accelerator("H100", "gpu", 989e12, 81559 * 2**20, 3.35e12, 300e9),
+    Accelerator("H200", "gpu", 989e12, 143771 * 2**20, 4.8e12, 300e9),
+    Accelerator("A100", "gpu", 312e12, 81920 * 2**20, 2.0e12, 200e9),
 )}
 
 

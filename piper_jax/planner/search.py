@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import optax
@@ -23,6 +23,8 @@ from piper_jax.compile import compile as compile_step
 from piper_jax.ir.directives import (Directive, Order, order, place, replicate, shard,
                                      shard_tensor, split)
 from piper_jax.ir.pipeline import make_plan
+from piper_jax.lowering import LoweringOptions
+from piper_jax.planner.hardware import ACCELERATORS, Accelerator, accelerator
 from piper_jax.planner.costs import (CostModel, Estimate, MeasuredModel, estimate_plan,
                                      format_bytes, format_time, measure_model)
 
@@ -50,6 +52,8 @@ class Candidate(Estimate):
     n_ranks, dp, zero: pipeline ranks, data-parallel replicas per rank, ZeRO stage.
     stages: per pipeline stage, the PP region indices it holds (empty without a pipeline).
     n_microbatches: microbatches per step.
+    checkpointing: the label of `search`'s `checkpointing` variant of the loss this
+      candidate runs (None: the loss as given).
   """
 
   name: str
@@ -60,6 +64,7 @@ class Candidate(Estimate):
   zero: int
   stages: tuple[tuple[int, ...], ...]
   n_microbatches: int
+  checkpointing: str | None = None
 
   @property
   def peak_memory(self) -> int:
@@ -89,6 +94,8 @@ class SearchResult:
   rejected: tuple[Rejected, ...]
   memory_per_device: float
   top: int = 10
+  # `search`'s checkpointing variants of the loss, by label (`Candidate.checkpointing`).
+  variants: dict = dataclasses.field(default_factory=dict)
 
   def table(self, top: int | None = None) -> str:
     """A Markdown table of the `top` fastest candidates (default: the search's `top`),
@@ -117,8 +124,9 @@ class SearchResult:
   def compile_best(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                    params: Any, example_batch: Any, devices: Sequence[Any] | None = None,
                    tries: int = 3, fraction: float = 0.95, **compile_kwargs):
-    """Compiles the fastest candidates in turn and returns the first, with its
-    `TrainStep`, whose compiled program fits: XLA's own memory analysis of it
+    """Compiles the fastest candidates in turn (a checkpointing candidate with its
+    variant of `loss_fn`) and returns the first, with its `TrainStep`, whose compiled
+    program fits: XLA's own memory analysis of it
     (`TrainStep.memory`) within `fraction` of `memory_per_device`.
 
     The search ranks by estimates; XLA's count of the compiled step also holds its
@@ -132,7 +140,8 @@ class SearchResult:
     bound = fraction * self.memory_per_device
     tried = []
     for c in self.candidates[:tries]:
-      step = compile_step(loss_fn, optimizer, c.directives, params, example_batch,
+      fn = self.variants[c.checkpointing] if c.checkpointing else loss_fn
+      step = compile_step(fn, optimizer, c.directives, params, example_batch,
                           devices=devices[:c.n_ranks * c.dp], **compile_kwargs)
       need = step.memory().total
       if need <= bound:
@@ -348,14 +357,16 @@ def _layouts(model: MeasuredModel, n_devices: int, schedules: Sequence[str],
 # -- the search --------------------------------------------------------------------
 
 def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
-           example_batch: Any, n_devices: int, memory_per_device: float, *,
+           example_batch: Any, n_devices: int, memory_per_device: float | None = None, *,
+           target: "Accelerator | str | None" = None,
            schedules: Sequence[str] = ALL_SCHEDULES, zero_stages: Sequence[int] = (0, 1, 3),
            microbatches: Sequence[int] | None = None, top: int = 10,
            costs: CostModel | None = None, virtual_stages: Sequence[int] = (2,),
            group_regions: bool = True, max_microbatches: int | None = None,
            remat: bool | None = None, reduce_dtype: str | None = None,
            bucket_mb: float | None = 25.0, expert_parallel: bool | None = None,
-           tensor_parallel: bool | None = None, headroom: float = 0.75) -> SearchResult:
+           tensor_parallel: bool | None = None, headroom: float = 0.75,
+           checkpointing: Mapping[str, Callable] | None = None) -> SearchResult:
   """Chooses a strategy: enumerates, plans, simulates and ranks those that fit.
 
   Candidates use all `n_devices`:
@@ -420,7 +431,12 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
       enough); `example_batch` has the global batch size.
     n_devices: devices to plan for.
     memory_per_device: bytes per device; candidates estimated above `headroom` of it
-      are rejected.
+      are rejected. Default: `target`'s memory.
+    target: the card the plan is for (`piper_jax.planner.ACCELERATORS`' name, e.g.
+      "H200", or an `Accelerator`), whatever machine plans: its memory and, unless
+      `costs` is given, `CostModel.for_accelerator(target)`. Trace the model as it will
+      run there: a fused attention's memory, not the host's (`examples/`' models take
+      `attention="cudnn"`, which a host without cuDNN traces with the same residuals).
     schedules: "dp" and/or pipeline schedules to try (default all).
     zero_stages: ZeRO stages to try where there are data-parallel replicas.
     microbatches: microbatch counts to try (default: powers of two, above).
@@ -437,6 +453,11 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     headroom: the fraction of `memory_per_device` an estimate may use: what the
       estimate leaves out (XLA's temporaries, communication buffers) measured up to
       a quarter of a GPU's peak, more in pipelines (benchmarks/RESULTS.md).
+    checkpointing: activation checkpointing as a choice, where the model offers it:
+      label -> the same loss with parts of the model under `jax.checkpoint` (e.g.
+      {"per block": the model built with its blocks under `nn.remat`}). Every strategy
+      is also tried with each, named "... +ac LABEL": its memory is what that model's
+      forwards keep, its backward costs the forward FLOPs it runs again.
 
   Returns:
     A `SearchResult`; `best.directives` go to `pj.compile` with the first
@@ -451,9 +472,18 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
                      f"devices to plan for")
   if not 0 < headroom <= 1:
     raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
-  if not memory_per_device > 0:
+  card = None
+  if target is not None:
+    card = target if isinstance(target, Accelerator) else accelerator(target)
+    if card is None:
+      raise ValueError(f"unknown target {target!r}; choose one of {list(ACCELERATORS)}, or "
+                       f"pass a piper_jax.planner.Accelerator")
+    memory_per_device = card.memory_bytes if memory_per_device is None else memory_per_device
+    costs = costs or CostModel.for_accelerator(card)
+  if memory_per_device is None or not memory_per_device > 0:
     raise ValueError(f"memory_per_device must be > 0 bytes, got {memory_per_device!r}; pass "
-                     f"each device's memory in bytes (e.g. 80 * 2**30)")
+                     f"each device's memory in bytes (e.g. 80 * 2**30), or target= a card "
+                     f"name ({', '.join(ACCELERATORS)})")
   unknown = [s for s in schedules if s not in ALL_SCHEDULES]
   if unknown or not schedules:
     raise ValueError(f"schedules must be a non-empty list of {list(ALL_SCHEDULES)}, got "
@@ -464,45 +494,17 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   if microbatches is not None and not any(isinstance(m, int) and m >= 1 for m in microbatches):
     raise ValueError(f"microbatches must hold ints >= 1, got {list(microbatches)}")
   costs = costs or CostModel()
-  pipelines = [s for s in schedules if s != "dp"]
-  model = measure_model(loss_fn, optimizer, params, example_batch)
-  if pipelines and "dp" not in schedules and len(model.pp) < 2:
-    raise ValueError(
-        f"schedules {list(schedules)} are pipelines only, but the model has "
-        f"{len(model.pp)} pj.annotate('PP') region(s) covering it (a pipeline needs 2 or "
-        f"more, and every region inside one); annotate the model's stages with "
-        f"pj.annotate('PP') or add 'dp' to schedules")
-  layouts = _layouts(model, n_devices, schedules, zero_stages, microbatches, virtual_stages,
-                     group_regions, max_microbatches, expert_parallel, tensor_parallel)
-  if not layouts:
-    raise ValueError(
-        f"no strategy of {list(schedules)} fits {n_devices} device(s) and a batch of "
-        f"{model.batch_size}: the batch must divide over the data-parallel replicas and "
-        f"microbatches ({microbatches or 'powers of two'}); change the batch size, "
-        f"microbatches or n_devices")
+  variants = dict(checkpointing or {})
+  if None in variants or any(not callable(f) for f in variants.values()):
+    raise ValueError("checkpointing maps labels to loss functions (the model with parts "
+                     "under jax.checkpoint), e.g. {'per block': loss_fn_with_remat}")
+  choices = _Choices(n_devices, float(memory_per_device), tuple(schedules), tuple(zero_stages),
+                     microbatches, costs, tuple(virtual_stages), group_regions,
+                     max_microbatches, remat, reduce_dtype, bucket_mb, expert_parallel,
+                     tensor_parallel, headroom)
   fits, rejected = [], []
-  for lay in layouts:
-    directives = _directives(lay, reduce_dtype, bucket_mb)
-    try:
-      plan = make_plan(model.spec, directives, lay.n_ranks * lay.dp, global_batch=model.batch_size)
-    except (ValueError, RuntimeError) as e:  # DirectiveError and PlanError are ValueErrors
-      rejected.append(Rejected(lay.name, directives, lay.n_microbatches, f"does not plan: {e}"))
-      continue
-    use_remat = (plan.mesh.n_pp > 1) if remat is None else remat
-    est = estimate_plan(model, plan, costs, use_remat)
-    mem = est.memory
-    if mem.total > headroom * memory_per_device:
-      of = ("" if headroom == 1 else
-            f" ({100 * headroom:.0f}% of {format_bytes(memory_per_device)})")
-      rejected.append(Rejected(lay.name, directives, lay.n_microbatches,
-                               f"needs {format_bytes(mem.total)} of "
-                               f"{format_bytes(headroom * memory_per_device)}{of}", mem.total))
-      continue
-    fits.append(Candidate(**{f.name: getattr(est, f.name) for f in dataclasses.fields(Estimate)},
-                          name=lay.name,
-                          directives=directives, schedule=lay.schedule, n_ranks=lay.n_ranks,
-                          dp=lay.dp, zero=lay.zero, stages=lay.stages,
-                          n_microbatches=lay.n_microbatches))
+  for label, fn in [(None, loss_fn)] + list(variants.items()):
+    _search_one(label, fn, optimizer, params, example_batch, choices, fits, rejected)
   if not fits:
     needs = [r for r in rejected if r.peak_memory is not None]
     smallest = min(needs, key=lambda r: r.peak_memory, default=None)
@@ -516,4 +518,76 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   # Equal times prefer fewer, larger microbatches (the FLOP model does not see that
   # small matmuls run slower), then less memory.
   fits.sort(key=lambda c: (c.step_time, c.n_microbatches, c.peak_memory, c.name))
-  return SearchResult(fits[0], tuple(fits), tuple(rejected), float(memory_per_device), top)
+  return SearchResult(fits[0], tuple(fits), tuple(rejected), float(memory_per_device), top,
+                      variants)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choices:
+  """What `search` tries and within what bounds: the same for every variant of the loss."""
+
+  n_devices: int
+  memory_per_device: float
+  schedules: tuple[str, ...]
+  zero_stages: tuple[int, ...]
+  microbatches: Sequence[int] | None
+  costs: CostModel
+  virtual_stages: tuple[int, ...]
+  group_regions: bool
+  max_microbatches: int | None
+  remat: bool | None
+  reduce_dtype: str | None
+  bucket_mb: float | None
+  expert_parallel: bool | None
+  tensor_parallel: bool | None
+  headroom: float
+
+
+def _search_one(label: str | None, loss_fn: Callable, optimizer, params, example_batch,
+                c: _Choices, fits: list, rejected: list) -> None:
+  """`search`'s candidates of one variant of the loss (`label`: its checkpointing, None
+  for the loss as given), added to `fits` and `rejected`."""
+  model = measure_model(loss_fn, optimizer, params, example_batch)
+  suffix = f" +ac {label}" if label else ""
+  schedules, microbatches, memory_per_device = c.schedules, c.microbatches, c.memory_per_device
+  n_devices, headroom = c.n_devices, c.headroom
+  pipelines = [s for s in schedules if s != "dp"]
+  if pipelines and "dp" not in schedules and len(model.pp) < 2:
+    raise ValueError(
+        f"schedules {list(schedules)} are pipelines only, but the model has "
+        f"{len(model.pp)} pj.annotate('PP') region(s) covering it (a pipeline needs 2 or "
+        f"more, and every region inside one); annotate the model's stages with "
+        f"pj.annotate('PP') or add 'dp' to schedules")
+  layouts = _layouts(model, n_devices, schedules, c.zero_stages, microbatches,
+                     c.virtual_stages, c.group_regions, c.max_microbatches, c.expert_parallel,
+                     c.tensor_parallel)
+  if not layouts:
+    raise ValueError(
+        f"no strategy of {list(schedules)} fits {n_devices} device(s) and a batch of "
+        f"{model.batch_size}: the batch must divide over the data-parallel replicas and "
+        f"microbatches ({microbatches or 'powers of two'}); change the batch size, "
+        f"microbatches or n_devices")
+  for lay in layouts:
+    directives = _directives(lay, c.reduce_dtype, c.bucket_mb)
+    try:
+      plan = make_plan(model.spec, directives, lay.n_ranks * lay.dp, global_batch=model.batch_size)
+    except (ValueError, RuntimeError) as e:  # DirectiveError and PlanError are ValueErrors
+      rejected.append(Rejected(lay.name + suffix, directives, lay.n_microbatches,
+                               f"does not plan: {e}"))
+      continue
+    est = estimate_plan(model, plan, c.costs,
+                        LoweringOptions(remat=c.remat).resolved(plan.mesh.n_pp, "gpu").remat)
+    mem = est.memory
+    if mem.total > headroom * memory_per_device:
+      of = ("" if headroom == 1 else
+            f" ({100 * headroom:.0f}% of {format_bytes(memory_per_device)})")
+      rejected.append(Rejected(lay.name + suffix, directives, lay.n_microbatches,
+                               f"needs {format_bytes(mem.total)} of "
+                               f"{format_bytes(headroom * memory_per_device)}{of}", mem.total))
+      continue
+    fits.append(Candidate(**{f.name: getattr(est, f.name) for f in dataclasses.fields(Estimate)},
+                          name=lay.name + suffix, checkpointing=label,
+                          directives=directives, schedule=lay.schedule, n_ranks=lay.n_ranks,
+                          dp=lay.dp, zero=lay.zero, stages=lay.stages,
+                          n_microbatches=lay.n_microbatches))
+
