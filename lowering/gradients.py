@@ -157,8 +157,8 @@ class GradientSums:
 
   def tick_sums(self, rank: int, grads: dict[int, jax.Array], positions, old: dict,
                 filler: Callable) -> dict[int, jax.Array]:
-    """The per-tick program's sums after rank `rank`'s part of a tick, at `positions`
-    (those any rank adds to in the tick): `old` plus its gradients (leaf -> array) where
+    """In a step written out tick by tick, the sums after rank `rank`'s part of a tick,
+    at `positions` (those any rank adds to in the tick): `old` plus its gradients (leaf -> array) where
     it made some, its sum passed through where it made none, and at a position it does
     not own (another rank's leaves, shared by size) `filler(signature)`: an array nobody
     reads, which is never assembled and needs no copy."""

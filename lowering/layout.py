@@ -169,7 +169,7 @@ class ParamLayout:
     # own and the pipeline is lowered as one loop. It is lowered as ZeRO-2 with sharded masters
     # (a pipeline's ZeRO-2 sums gradients whole and reduce-scatters them once): gathered
     # a tick at a time, a stage's weights were held for the step all the same, since
-    # consecutive ticks read them, and the per-tick program holds more.
+    # consecutive ticks read them.
     self.gathers_at_start = mesh.zero == 3 and self.n_pp > 1 and self.n_dp > 1
     if self.gathers_at_start:
       self.zero = 2

@@ -1,21 +1,19 @@
 """Lowers a ticked plan to one shard_map body over the ("dp", ["ep",] ["tp",] "pp") mesh.
 
-Each tick, every pipeline rank runs its own tasks through one `lax.switch` on
-`axis_index("pp")`. Values that outlive a tick leave the switch as a list of arrays
-whose positions ranks share by shape (`layout.match_positions`): a "keep" list for the
-rank itself and one list per `ppermute` round for the values other ranks read.
-Gradients accumulate per leaf, unreduced over microbatches (added to the running sums
-inside the switch, so a tick writes each sum once), and are laid out into
-the flat parameter segments and reduced once at the end (ZeRO 0/1, and a pipeline's
-ZeRO 2/3), or laid out and reduce-scattered per tick (ZeRO 2/3 without a pipeline);
-ZeRO-3 without a pipeline all-gathers the slots a tick reads one tick ahead, before the
-previous tick's switch, and keeps the slots that consecutive ticks read (a pipeline's
-gathers them as the step starts: `ParamLayout.gathers_at_start`). Expert-parallel
-regions exchange their tokens by all-to-all over "ep" before and after each pass; split
-weights' pieces (shard, shard_tensor) get their gradients reduced only over their copies
-(`lowering/gradients.py`).
+A plan with microbatches or pipeline ranks runs as one loop over its ticks
+(`lowering/tick_loop.py`). A step of one microbatch on one rank is written out tick by
+tick: values that outlive a tick are kept by position (`layout.match_positions`),
+ZeRO-3 all-gathers the slots a tick reads one tick ahead, before the previous tick's
+work, and keeps the slots consecutive ticks read, ZeRO 2/3 reduce-scatter each tick's
+gradients and ZeRO-0 with `bucket_mb` all-reduces them in buckets as they become final,
+so that XLA overlaps them with the backward as under `jax.jit`. Either way gradients
+accumulate per leaf, unreduced over microbatches, and are laid out into the flat
+parameter segments and reduced once at the end (ZeRO 0/1, and a pipeline's ZeRO 2/3; a
+pipeline's ZeRO-3 gathers its slots as the step starts: `ParamLayout.gathers_at_start`).
+Expert-parallel regions exchange their tokens by all-to-all over "ep" before and after
+each pass; split weights' pieces (shard, shard_tensor) get their gradients reduced only
+over their copies (`lowering/gradients.py`).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -37,9 +35,8 @@ from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
                                         backward_weight, full_residuals, region_backward,
                                         region_forward, region_key, relabel, split_backward)
-from piper_jax.lowering.schedule_table import pair_rounds
 from piper_jax.lowering.tick_loop import TickLoop
-from piper_jax.lowering.values import (Exchange, Kept, Location, Received, TickValues,
+from piper_jax.lowering.values import (Kept, TickValues,
                                        ValueKey, ValueKind)
 
 __all__ = ["Program", "lowers_as_loop"]
@@ -83,11 +80,11 @@ class _State:
 
 
 # XLA's GPU command buffers (CUDA graphs) for a pipeline's step: XLA's default kinds
-# plus the per-tick conditional and the rolled loop, so that a tick's kernels go to the
+# plus the loop's conditional and the loop itself, so that a tick's kernels go to the
 # GPU as one graph. Without them XLA copies the branch index to the host, waits for the
 # stream, and launches the branch's kernels one by one; at a microbatch of 2 sequences
-# many take a few microseconds. Each tick's conditional sits alone between two
-# collective-permutes (which do not go into graphs), so the smallest graph must be one
+# many take a few microseconds. Each slot's conditional sits alone between
+# collectives (which do not go into graphs), so the smallest graph must be one
 # command, or XLA leaves the conditional on the host (and the host, not the GPU, sets
 # the step's pace). jit DP has no conditionals.
 PIPELINE_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
@@ -107,7 +104,7 @@ def lowers_as_loop(plan: Plan) -> bool:
 
 
 class Program:
-  """The per-tick lowering of a plan; `body` is the shard_map body of one step."""
+  """The lowering of a plan; `body` is the shard_map body of one step."""
 
   def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout,
                options: LoweringOptions | None = None, order_collectives: bool = False):
@@ -134,8 +131,8 @@ class Program:
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
     self.grads = GradientSums(self.model, plan, layout, self.ad, self.reduce_dtype)
     if lowers_as_loop(plan):
-      # The loop finds its values through its own table (`schedule_table`), not the
-      # per-tick positions, and reduces gradients once, after its last tick.
+      # The loop finds its values through its own table (`schedule_table`), not
+      # positions kept per tick, and reduces gradients once, after its last tick.
       self.tick_loop, self.ticks, self.loc, self.buckets = TickLoop(self), [], {}, {}
     else:
       self.tick_loop = None
@@ -265,38 +262,29 @@ class Program:
     return out
 
   def _plan_values(self):
+    """Where each value a later tick reads is kept (one rank: no exchanges)."""
     plan = self.plan
+    assert plan.n_ranks == 1, "plans with pipeline ranks are lowered as one loop"
     readers: dict[tuple, list[Task]] = {}
     for t in plan.tasks.values():
       for key in self.task_reads(t):
         readers.setdefault(key, []).append(t)
-    self.loc: dict[tuple, Location] = {}   # (key, reader rank) -> where the reader finds it
+    self.loc: dict[tuple, Kept] = {}   # (key, reader rank) -> where the reader finds it
     self.ticks: list[TickValues] = []
     for tick_i, tick in enumerate(plan.ticks):
       keep_vals = {rank: [] for rank in range(plan.n_ranks)}
-      msgs: dict[tuple[int, int], list] = {}
       for rank, tasks in enumerate(tick):
         for task in tasks:
           for key in self.task_produces(task):
-            if any(rd.rank == rank and rd.tick > tick_i for rd in readers.get(key, [])):
+            if any(rd.tick > tick_i for rd in readers.get(key, [])):
               keep_vals[rank].append((key, self.value_aval(key)))
-            for dst in sorted({rd.rank for rd in readers.get(key, []) if rd.rank != rank}):
-              msgs.setdefault((rank, dst), []).append((key, self.value_aval(key)))
-      rounds = pair_rounds(set(msgs))
       keep_pos, keep_where = match_positions(keep_vals)
       for (rank, key), pos in keep_where.items():
         self.loc[(key, rank)] = Kept(tick_i, pos)
-      round_info = []
-      for ri, rnd in enumerate(rounds):
-        pos, where = match_positions({a: msgs[(a, b)] for a, b in rnd})
-        for a, b in rnd:
-          for key, _ in msgs[(a, b)]:
-            self.loc[(key, b)] = Received(tick_i, ri, where[(a, key)])
-        round_info.append(Exchange(tuple(rnd), tuple(pos), where))
       grad_pos = sorted({self.grads.where[(rank, p)] for rank, tasks in enumerate(tick)
                          for t in tasks if t.pass_ in _GRAD_PASSES
                          for p in self.grads.leaves(t.region)})
-      self.ticks.append(TickValues(tuple(keep_pos), keep_where, tuple(round_info), tuple(grad_pos)))
+      self.ticks.append(TickValues(tuple(keep_pos), keep_where, tuple(grad_pos)))
     self.buckets = self.grads.buckets([info.grads for info in self.ticks])
 
   # -- the shard_map body -------------------------------------------------------
@@ -444,18 +432,14 @@ class Program:
       # Every branch reads the loss so far, which depends on the collectives before this
       # tick (an optimization barrier around the operands does not survive XLA).
       operands["after"] = st.loss
-    keep, rounds, grads, tick_loss = self._switch(branches, operands)
+    keep, grads, tick_loss = self._switch(branches, operands)
     st.loss = st.loss + tick_loss
     if zero == 3 and self.options.zero3_reshard:  # later ticks' gathers wait for this one
-      made = [x for x in [*keep, *(y for r in rounds for y in r), *grads.values()] if x.size]
+      made = [x for x in [*keep, *grads.values()] if x.size]
       if made:
         st.loss = _waits_for(st.loss, made[0].reshape(-1)[0])
     for pos, x in enumerate(keep):
       st.arrays[Kept(tick_i, pos)] = x
-    for ri, (rnd, payload) in enumerate(zip(info.rounds, rounds)):
-      for pos, x in enumerate(payload):
-        st.arrays[Received(tick_i, ri, pos)] = self._before_next_tick(
-            st, lax.ppermute(x, "pp", perm=list(rnd.perm)))
     for pos in [p for p in grads if p >= self.grads.split0]:
       st.split_acc[pos] = grads.pop(pos)
     if self.grads.scatter_each_tick and grads:
@@ -611,12 +595,11 @@ class Program:
         loss = loss + self.run_task(t.region, t.pass_, t.mb, read, param,
                                     batch_mb(t.region, t.mb), env, grad_acc)
 
-      # Positions that other ranks' values hold (positions are shared by shape) take an
-      # array of the same shape this tick made and dropped anyway, such as a residual F
-      # and B used within the tick: it is written once either way, zeros would be an
-      # extra write. Nobody reads these positions.
-      mine = ({key for (rk, key) in keep_where if rk == rank}
-              | {key for rnd in info.rounds for (rk, key) in rnd.where if rk == rank})
+      # Positions that hold nothing of this rank's (gradient positions of leaves it does
+      # not own) take an array of the same shape this tick made and dropped anyway, such
+      # as a residual F and B used within the tick: it is written once either way,
+      # zeros would be an extra write. Nobody reads these positions.
+      mine = {key for (rk, key) in keep_where if rk == rank}
       spare: dict[tuple, list] = {}
       taken = {id(env[key]) for key in mine}  # an array may sit under two keys
       for key, x in env.items():
@@ -636,11 +619,10 @@ class Program:
                      for x, sig in zip(out, positions))
 
       keep = fill(keep_pos, keep_where)
-      rounds = [fill(rnd.positions, rnd.where) for rnd in info.rounds]
       grads = self.grads.tick_sums(rank, grad_acc, info.grads, ops["acc"], filler)
       if "after" in ops:  # ordering only (`order_collectives`); a non-finite loss stays so
         loss = loss + 0 * ops["after"]
-      return keep, rounds, grads, loss
+      return keep, grads, loss
 
     return run
 

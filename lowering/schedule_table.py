@@ -14,7 +14,7 @@ What changes from tick to tick is data, built here (numpy, no JAX):
   live at once, not one row per microbatch;
 * the values ranks exchange travel in `Round`s, one `ppermute` each as a tick ends,
   written into the receiver's store; a rank with nothing to send in a round sends its
-  scratch row. Ranks meet once per tick, not once per task, as in the per-tick lowering.
+  scratch row. Ranks meet once per tick, not once per task.
 
 Value keys are whatever hashable keys the caller's `reads`, `produces` and `signature`
 functions use; the table only needs that a task kind reads and makes values of the

@@ -6,7 +6,7 @@ the table says which branch each pipeline rank takes in each slot, on which micr
 and which rows of the value stores it reads and writes. Then come the table's rounds
 of `ppermute`, each rank sending the rows the table names (its scratch rows when it
 has nothing to send), and what the tick received is written into the stores. Ranks
-meet once per tick, as in the per-tick lowering; the slots' loop holds no collective,
+meet once per tick; the slots' loop holds no collective of its own,
 so on GPUs it runs as one CUDA graph. The compiled program's size does not grow with
 the number of microbatches, ticks or tasks per tick: warm-up and cool-down are
 iterations like the others.

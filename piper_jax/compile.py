@@ -388,14 +388,17 @@ class TrainStep:
   def describe(self) -> str:
     """The plan, the lowering options that differ from the defaults, and the collectives
     the compiled step runs (`collectives`)."""
-    changed = self.options.changed()
+    # Every option as resolved for this plan and platform (`LoweringOptions.resolved`).
+    options = ", ".join(f"{f.name}={getattr(self.options, f.name)!r}"
+                        for f in dataclasses.fields(self.options))
     loop = self._program.tick_loop
     lowered = (f"one loop over all ticks: {len(loop.table.kinds)} task kinds, "
                f"{len(loop.table.stores)} value stores of {loop.table.store_bytes / 2**20:.1f} MiB "
                f"on every device" if loop is not None else
                "tick by tick: one microbatch on one rank")
     return "\n".join([str(self.plan),
-                      f"lowering options: {changed or 'defaults'} (lowered {lowered})",
+                      f"lowered {lowered}",
+                      f"lowering options, resolved: {options}",
                       "collectives the compiled step runs (per step; in a switch, summed "
                       "over its branches, of which each device runs one):",
                       collectives_table(self.collectives())])

@@ -108,6 +108,8 @@ def test_pipelines_run_as_one_loop(dp, zero):
   # tasks run theirs inside the loop: tests/test_parallel.py).
   step = _built(pj.strategies.pipeline(2, 4, "1f1b", dp=dp, zero=zero), dp)
   assert step.tick_loop and "one loop over all ticks" in step.describe()
+  # The options as resolved for this plan on this platform: remat on in pipelines.
+  assert "lowering options, resolved: remat=True, " in step.describe()
   # What every device allocates for the values that outlive a tick.
   table = step._program.tick_loop.table
   assert table.store_bytes == sum(
