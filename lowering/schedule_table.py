@@ -200,10 +200,33 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   def store_of(key) -> int:
     return sigs.setdefault(tuple(signature(key)), len(sigs))
 
-  # Groups: a rank's tasks of a tick, cut where a task reads nothing the group made on
-  # its microbatch. A chain becomes one kind only where it holds most of each
-  # of its steps' runs (1F1B's last stage, F and B every tick): a kind's code is
-  # compiled once per kind it is part of, for rare chains of warm-up and cool-down too.
+  groups, first_task = _group_tasks(ticks, reads, produces)
+  kind_list, first, task = _task_kinds(groups, first_task, reads, produces, store_of)
+  n_slots = max([g[2] + 1 for g in groups] + [1])
+  lives, used, sends = _value_lives(task, n_slots, store_of)
+  depth = _assign_rows(lives, used, n_ranks, len(sigs))
+  sig_list = sorted(sigs, key=sigs.get)
+  stores = tuple(Store(tuple(shape), str(dt), depth[j]) for j, (shape, dt) in enumerate(sig_list))
+
+  def row(key, rank) -> int:
+    life = lives.get((key, rank))
+    return stores[store_of(key)].scratch if life is None or life.row < 0 else life.row
+
+  kind_id = {k.steps: j for j, k in enumerate(kind_list)}
+  code, mb, read_rows, write_rows = _slot_arrays(task, kind_id, len(ticks), n_ranks, n_slots,
+                                                 row)
+  rounds, send_rows, recv_rows = _exchange_rounds(sends, stores, len(ticks), n_ranks,
+                                                  store_of, row)
+  return ScheduleTable(tuple(kind_list), tuple(first), stores, tuple(rounds), code, mb,
+                       read_rows, write_rows, send_rows, recv_rows)
+
+
+def _group_tasks(ticks, reads, produces) -> tuple[dict, dict]:
+  """Groups: a rank's tasks of a tick, cut where a task reads nothing the group made on
+  its microbatch. A chain becomes one kind only where it holds most of each of its steps'
+  runs (1F1B's last stage, F and B every tick): a kind's code is compiled once per kind
+  it is part of, for rare chains of warm-up and cool-down too. Returns ((tick, rank,
+  slot) -> tasks, (tick, rank, slot) -> index of its first task in the rank's tick)."""
   chains: list[tuple[int, int, list]] = []   # (tick, rank, tasks)
   for ti, tick in enumerate(ticks):
     for r, ts in enumerate(tick):
@@ -229,15 +252,21 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
       placed[(ti, r)] = (slot + 1, n + len(part))
       groups[(ti, r, slot)] = part
       first_task[(ti, r, slot)] = n
+  return groups, first_task
+
+
+def _task_kinds(groups: dict, first_task: dict, reads, produces, store_of
+                ) -> tuple[list, list, dict]:
+  """Kinds: per sequence of steps, the values read from stores (not made by a step
+  before) and written to them (read by another group in some tick; values nobody reads
+  are not written). Returns (kinds, per kind its first (tick, rank, task index), and
+  per (tick, rank, slot) its `_Group`)."""
   readers: dict[Hashable, set] = {}   # key -> the groups that read it
   for g, ts in groups.items():
     for t in ts:
       for k in reads(t):
         readers.setdefault(k, set()).add(g)
 
-  # Kinds: per sequence of steps, the values read from stores (not made by a step before)
-  # and written to them (read by another group in some tick; values nobody reads are
-  # not written).
   def positions(ts) -> tuple[tuple, tuple]:
     made = {k: (i, n) for i, t in enumerate(ts) for n, k in enumerate(produces(t))}
     read_at = tuple((j, n) for j, t in enumerate(ts) for n, k in enumerate(reads(t))
@@ -277,10 +306,14 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
       first[j] = (g[0], g[1], first_task[g])
     task[g] = _Group(kind, [reads(ts[a])[n] for a, n in kind.read_at],
                      [produces(ts[a])[n] for a, n in kind.write_at], ts[0].mb)
-  n_slots = max([g[2] + 1 for g in groups] + [1])
+  return kind_list, first, task
 
-  # Times: slot s of tick t runs at 2 (t S + s); a tick's rounds read what they send and
-  # write what they receive as it ends, at 2 (t S + S - 1) + 1.
+
+def _value_lives(task: dict, n_slots: int, store_of) -> tuple[dict, dict, dict]:
+  """When each value is made and last read on each rank that holds it, and the sends
+  between ranks. Slot s of tick t runs at 2 (t S + s); a tick's rounds read what they
+  send and write what they receive as it ends, at 2 (t S + S - 1) + 1. Returns ((key,
+  rank) -> `_Life`, (key, rank) -> last read time, (tick, src, dst) -> keys)."""
   def at(ti: int, s: int) -> int:
     return 2 * (ti * n_slots + s)
 
@@ -318,10 +351,13 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
       # The sender's row stays until its round reads it, as the tick ends.
       lives[(k, src)].end = max(lives[(k, src)].end, arrive)
       lives[(k, r)] = _Life(k, store_of(k), arrive, used[(k, r)])
+  return lives, used, sends
 
-  # Rows: per rank and store, a value takes the lowest row free for its whole life.
-  stores_n = len(sigs)
-  depth = [0] * stores_n
+
+def _assign_rows(lives: dict, used: dict, n_ranks: int, n_stores: int) -> list[int]:
+  """Rows: per rank and store, a value takes the lowest row free for its whole life
+  (sets each `_Life.row`); returns each store's depth, the most rows any rank needs."""
+  depth = [0] * n_stores
   for rank in range(n_ranks):
     free_at: dict[int, list[int]] = {}   # store -> per row, the time it is free after
     for life in sorted((x for (k, r), x in lives.items() if r == rank),
@@ -337,16 +373,15 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
       life.row = row
     for st, rows in free_at.items():
       depth[st] = max(depth[st], len(rows))
-  sig_list = sorted(sigs, key=sigs.get)
-  stores = tuple(Store(tuple(shape), str(dt), depth[j]) for j, (shape, dt) in enumerate(sig_list))
+  return depth
 
-  def row(key, rank) -> int:
-    life = lives.get((key, rank))
-    return stores[store_of(key)].scratch if life is None or life.row < 0 else life.row
 
-  n_it = len(ticks)
-  n_reads = max([len(k.reads) for k in kind_list] + [1])
-  n_writes = max([len(k.writes) for k in kind_list] + [1])
+def _slot_arrays(task: dict, kind_id: dict, n_it: int, n_ranks: int, n_slots: int, row
+                 ) -> tuple[np.ndarray, ...]:
+  """Per (tick, rank, slot): the kind's code (0: idle), its microbatch, and the rows it
+  reads and writes."""
+  n_reads = max([len(g.reads) for g in task.values()] + [1])
+  n_writes = max([len(g.writes) for g in task.values()] + [1])
   code = np.zeros((n_it, n_ranks, n_slots), np.int32)
   mb = np.zeros((n_it, n_ranks, n_slots), np.int32)
   read_rows = np.zeros((n_it, n_ranks, n_slots, n_reads), np.int32)
@@ -358,7 +393,13 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
       read_rows[ti, rank, s, n] = row(k, rank)
     for n, k in enumerate(group.writes):
       write_rows[ti, rank, s, n] = row(k, rank)
+  return code, mb, read_rows, write_rows
 
+
+def _exchange_rounds(sends: dict, stores: tuple, n_it: int, n_ranks: int, store_of, row
+                     ) -> tuple[list, np.ndarray, np.ndarray]:
+  """The rounds of `ppermute` and, per (tick, rank, round, position), the rows each rank
+  sends and writes what it receives into (the store's scratch row where it has none)."""
   rounds = []
   for perm in pair_rounds({(a, b) for (_, a, b) in sends}):
     per_sender = [[store_of(k) for k in keys] for (_, a, b), keys in sends.items()
@@ -380,5 +421,4 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
         taken.add(n)
         send_rows[ti, a, j, n] = row(k, a)
         recv_rows[ti, b, j, n] = row(k, b)
-  return ScheduleTable(tuple(kind_list), tuple(first), stores, tuple(rounds), code, mb,
-                       read_rows, write_rows, send_rows, recv_rows)
+  return rounds, send_rows, recv_rows
