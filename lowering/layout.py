@@ -180,10 +180,23 @@ class ParamLayout:
     self.split = {p: d for p, (d, _) in split.items()}   # leaf -> split dimension
     self.split_kind = {p: k for p, (_, k) in split.items()}  # leaf -> "ep" | "tp"
     self.params = model.params
-    # Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
-    # once per step: one target per dtype (the commonest), in slots of their own.
-    # In pipelines too: with the rolled loop and its command buffers, casting once a
-    # step is faster and compiles faster than casting in every task.
+    self._choose_casts(model, casts, options)
+    self._place_leaves(model, plan)
+    self._size_segments(model, mesh)
+    self.spread: dict[tuple[int, str], Spread] = (
+        self._spread_uneven() if self.n_pp > 1 and self.zero < 3 and options.spread_uneven_slots
+        else {})
+    self.cast_slots = {(h.slot, h.dtype) for p, h in enumerate(self.home) if p in self.cast}
+    self._index = {(j, dt): i for dt, js in self.slot_ids.items() for i, j in enumerate(js)}
+    self._unpack_casts()
+    self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
+
+  def _choose_casts(self, model: ModelSpec, casts: dict[int, str] | None,
+                    options: LoweringOptions) -> None:
+    """Leaves the model only reads in a narrower dtype (`TracedLoss.param_casts`), cast
+    once per step: one target per dtype (the commonest), in slots of their own. In
+    pipelines too: casting once a step is faster and compiles faster than casting in
+    every task."""
     if not options.cast_weights:
       casts = {}
     casts = {p: to for p, to in (casts or {}).items() if p not in self.split}
@@ -192,6 +205,11 @@ class ParamLayout:
       targets = [to for p, to in casts.items() if model.params[p].dtype == dt]
       self.cast_to[dt] = max(sorted(set(targets)), key=targets.count)
     self.cast = {p for p, to in casts.items() if self.cast_to[model.params[p].dtype] == to}
+
+  def _place_leaves(self, model: ModelSpec, plan: Plan) -> None:
+    """Each leaf's `Home`: split leaves' pieces by position (shared across ranks by
+    shape, per kind), the others packed into slots of their rank (or SHARED)."""
+    mesh = plan.mesh
     region_slot: dict[int, int] = {}
     for rank in range(self.n_pp):
       for j, r in enumerate(plan.rank_regions(rank)):
@@ -218,7 +236,7 @@ class ParamLayout:
         packed.append((p, ranks.pop(), group, spec.dtype, spec.size))
       else:
         packed.append((p, None, None, spec.dtype, spec.size))
-    placed, self.n_slots = _fill_slots([x[1:] for x in packed], options.slot_bytes)
+    placed, self.n_slots = _fill_slots([x[1:] for x in packed], self.options.slot_bytes)
     for (p, rank, _, dt, size), (slot, off) in zip(packed, placed):
       homes[p] = Home(rank, slot, dt, off, size, model.params[p].shape)
     self.home: list[Home] = [homes[p] for p in range(len(model.params))]
@@ -230,8 +248,11 @@ class ParamLayout:
       positions, where = match_positions(vals)
       self.split_pos.update({p: len(self.split_positions) + pos for (_, p), pos in where.items()})
       self.split_positions += [(shape, dt, kind) for shape, dt in positions]
+
+  def _size_segments(self, model: ModelSpec, mesh) -> None:
+    """Chunk size of each (slot, dtype) segment (the largest over ranks, split n_dp
+    ways) and the slots that hold leaves of each dtype."""
     self.dtypes = sorted({s.dtype for p, s in enumerate(model.params) if p not in self.split})
-    # Chunk size of a (slot, dtype) segment: the largest over ranks, split n_dp ways.
     self.chunk: dict[tuple[int, str], int] = {}
     for h in self.home:
       if h.slot != SPLIT:
@@ -242,27 +263,31 @@ class ParamLayout:
                      for dt in self.dtypes}
     self.n_devices = self.n_pp * mesh.n_dp
     self.all_axes = mesh.axis_names
-    self.spread: dict[tuple[int, str], Spread] = {}
-    if self.n_pp > 1 and self.zero < 3 and options.spread_uneven_slots:
-      for (j, dt), chunk in self.chunk.items():
-        if j == SHARED:
-          continue
-        lengths = [0] * self.n_pp
-        for h in self.home:
-          if h.slot == j and h.dtype == dt:
-            lengths[h.rank] = max(lengths[h.rank], h.offset + h.size)
-        content = sum(lengths)
-        if content and self.n_pp * self.n_dp * chunk > (1 + SPREAD_PADDING) * content:
-          size = math.ceil(content / self.n_devices) * self.n_devices
-          self.spread[(j, dt)] = Spread(tuple(lengths), size)
-    self.cast_slots = {(h.slot, h.dtype) for p, h in enumerate(self.home) if p in self.cast}
-    self._index = {(j, dt): i for dt, js in self.slot_ids.items() for i, j in enumerate(js)}
-    # A pipeline's cast leaves, unpacked once per step into arrays of their own that
-    # every tick's switch passes through: sliced from a packed segment inside a tick,
-    # each weight is copied (a memcpy for cuBLAS) by every task reading it, F's and B's:
-    # 2 copies of the stage's weights a tick. The arrays are flat, so ranks
-    # share positions by size (`match_positions`; a GPT's embedding on the first rank
-    # and its head on the last share one); a rank fills the others' with zeros.
+
+  def _spread_uneven(self) -> dict[tuple[int, str], Spread]:
+    """The slots whose ranks' parts differ so much that stacking them would pad by more
+    than `SPREAD_PADDING`: stored spread evenly over all devices."""
+    spread = {}
+    for (j, dt), chunk in self.chunk.items():
+      if j == SHARED:
+        continue
+      lengths = [0] * self.n_pp
+      for h in self.home:
+        if h.slot == j and h.dtype == dt:
+          lengths[h.rank] = max(lengths[h.rank], h.offset + h.size)
+      content = sum(lengths)
+      if content and self.n_pp * self.n_dp * chunk > (1 + SPREAD_PADDING) * content:
+        size = math.ceil(content / self.n_devices) * self.n_devices
+        spread[(j, dt)] = Spread(tuple(lengths), size)
+    return spread
+
+  def _unpack_casts(self) -> None:
+    """A pipeline's cast leaves, unpacked once per step into arrays of their own that
+    every tick passes through: sliced from a packed segment inside a tick, each weight
+    is copied (a memcpy for cuBLAS) by every task reading it, F's and B's: 2 copies of
+    the stage's weights a tick. The arrays are flat, so ranks share positions by size
+    (`match_positions`; a GPT's embedding on the first rank and its head on the last
+    share one); a rank fills the others' with zeros."""
     self.unpacked_positions: list[tuple] = []
     self.unpacked_pos: dict[int, int] = {}
     if self.n_pp > 1 and self.zero < 3:
@@ -277,7 +302,6 @@ class ParamLayout:
     # Every cast leaf outside SHARED is unpacked, and cast leaves fill slots of their
     # own: these slots need no cast copy.
     self.unpacked_slots = {(self.home[p].slot, self.home[p].dtype) for p in self.unpacked_pos}
-    self.shared_chunk = {dt: max(self.chunk.get((SHARED, dt), 0), 1) for dt in self.dtypes}
 
   @property
   def shards_masters(self) -> bool:
