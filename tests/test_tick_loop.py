@@ -158,3 +158,67 @@ def test_accumulation_and_expert_pipelines_do_not_grow_with_microbatches(plan, b
     sizes.append((len(re.findall(r"call @region_(?:forward|backward)", text)), text.count("\n")))
   (calls4, size4), (calls16, size16) = sizes
   assert calls4 == calls16 and abs(size16 - size4) < 0.05 * size4, sizes
+
+
+_COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                   "collective-permute")
+
+
+def _collectives_in_conditionals(hlo: str) -> list[str]:
+  """The collectives the compiled program runs inside a conditional's branches
+  (following the computations they call), by HLO opcode."""
+  comps: dict[str, list[str]] = {}
+  cur = None
+  for line in hlo.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if m:
+      cur = comps.setdefault(m.group(1), [])
+    elif cur is not None:
+      cur.append(line)
+  called = lambda line: re.findall(r"%([\w.\-]+)", " ".join(re.findall(
+      r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
+  found, seen = [], set()
+  todo = [c for lines in comps.values() for line in lines if " conditional(" in line
+          for c in re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1])]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      found += [op for op in _COLLECTIVE_OPS if re.search(rf"\b{op}(-start)?\(", line)]
+      todo += called(line)
+  return found
+
+
+@pytest.mark.parametrize("directives,n_devices", [
+    (pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=1), 4),
+    (pj.strategies.pipeline(2, 4, "zb", dp=2, zero=3), 4),
+    ([pj.split(4)] + pj.strategies.data_parallel(2, zero=1), 2),
+], ids=["1f1b-dp2-zero1", "zb-dp2-zero3", "accumulation-dp2-zero1"])
+def test_no_collective_inside_the_loops_conditionals(directives, n_devices):
+  # The loop's branches hold no collective: ranks meet in the exchange rounds after
+  # the slots, gradients are reduced after the loop, a pipeline's ZeRO-3 gathers as the
+  # step starts. (Expert and tensor parallel tasks, and ZeRO 2/3 accumulation without a
+  # pipeline, still run theirs inside the branches.)
+  params, batch = _inputs(2, n_devices)
+  step = pj.compile(mlp_loss(2), optax.sgd(0.1), directives, params, batch,
+                    devices=jax.devices()[:n_devices])
+  hlo = step.lower(step.init(params), batch).compile().as_text()
+  assert step.tick_loop and " conditional(" in hlo
+  assert _collectives_in_conditionals(hlo) == []
+  assert re.search(r"\b(all-reduce|reduce-scatter|collective-permute)(-start)?\(", hlo)
+
+
+def test_an_expert_parallel_pipelines_all_to_alls_are_inside_its_conditionals(batches_of):
+  # What is left to move out of the switch (onto fixed-shape buffers).
+  from test_parallel import _moe
+  config, loss, params = _moe(2)
+  batches_of(config)
+  from examples import gpt
+  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1)
+  directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8)
+  step = pj.compile(loss, optax.sgd(0.1), directives, params, batch, devices=jax.devices()[:4])
+  hlo = step.lower(step.init(params), batch).compile().as_text()
+  assert "all-to-all" in _collectives_in_conditionals(hlo)
