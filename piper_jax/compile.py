@@ -126,19 +126,10 @@ class TrainStep:
     self.devices = list(jax.devices() if devices is None else devices)
     self.directives = load_directives(directives)
     self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, has_aux
-    try:
-      traced, plan = _traced_plan(loss_fn, self.directives, params, example_batch,
-                                  len(self.devices), has_aux)
-    except DeviceIndexError as e:
-      if self.devices[0].platform == "cpu":
-        e.args = (f"{e.args[0]}. On the CPU, JAX makes N devices when told before it starts: "
-                  f"XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment, or "
-                  f"jax.config.update('jax_num_cpu_devices', N) before the first use of jax",)
-      raise
+    traced, plan = self._trace_and_plan(params, example_batch)
     pm = plan.mesh
-    batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
     self.plan: Plan = plan
-    self.batch_size = batch_size
+    self.batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
     self._traced = traced
     options = (options or LoweringOptions()).resolved(pm.n_pp, self.devices[0].platform)
     self.options: LoweringOptions = options
@@ -149,21 +140,43 @@ class TrainStep:
                             order_collectives=self.devices[0].platform == "cpu")
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
-    zero = pm.zero
+    self._place_state()
+    self._step = self._jit_step()
+    replicated = NamedSharding(self.mesh, P())
+    self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
+    self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
+    self._pack_opt = jax.jit(layout.pack, out_shardings=self._to_sharding(self._grad_specs))
+    self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
+    self._to_canonical = None
+    self._collectives: list[StepCollective] | None = None
+    self._compiled = None  # the step `memory` compiled, which calls then run
+
+  def _trace_and_plan(self, params: Any, example_batch: Any) -> tuple:
+    """The traced loss and its plan; a device index past the CPU's devices gets the
+    flag that makes more."""
+    try:
+      return _traced_plan(self.loss_fn, self.directives, params, example_batch,
+                          len(self.devices), self.has_aux)
+    except DeviceIndexError as e:
+      if self.devices[0].platform == "cpu":
+        e.args = (f"{e.args[0]}. On the CPU, JAX makes N devices when told before it starts: "
+                  f"XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment, or "
+                  f"jax.config.update('jax_num_cpu_devices', N) before the first use of jax",)
+      raise
+
+  def _to_sharding(self, specs):
+    return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
+                                  is_leaf=lambda x: isinstance(x, P))
+
+  def _place_state(self) -> None:
+    """How the state is partitioned: parameters, gradients, optimizer state and the
+    batch, and whether the optimizer updates packed buffers or whole leaves."""
+    layout, traced, optimizer, zero = self._layout, self._traced, self.optimizer, self.plan.mesh.zero
     # ZeRO-1/2 with bf16-read weights keep the fp32 masters sharded like the gradients
     # (`layout.shards_masters`); ZeRO-3 shards them too.
     sharded = zero >= 3 or layout.shards_masters
-    param_specs = layout.specs(sharded=sharded, split_sharded=sharded)
-    grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
-    n_batch = len(traced.spec.batch)
-    batch_spec = P(pm.data_axes if len(pm.data_axes) > 1 else "dp")
-    # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
-    body = shard_map_unchecked(self._program.body, self.mesh,
-                      in_specs=(layout.specs(sharded, sharded, working=True), [batch_spec] * n_batch),
-                      out_specs=(layout.specs(zero >= 1, zero >= 1, working=True), P()))
-    to_sharding = lambda specs: jax.tree_util.tree_map(
-        lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-    self._param_shardings = to_sharding(param_specs)
+    self._grad_specs = grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
+    self._param_shardings = self._to_sharding(layout.specs(sharded=sharded, split_sharded=sharded))
     # The optimizer updates the packed buffers when it treats every element alike;
     # otherwise (masks, per-leaf labels, factored or matrix updates) whole leaves.
     param_shapes = jax.tree_util.tree_unflatten(traced.param_tree, [x for _, x in traced.param_leaves])
@@ -183,10 +196,23 @@ class TrainStep:
       # Whole leaves' state is spread over all the step's devices, leaf by leaf.
       self._opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
       opt_specs = jax.tree_util.tree_map(lambda s: self._spread_spec(s.shape), self._opt_shapes)
-    self._opt_shardings = to_sharding(opt_specs)
+    self._opt_shardings = self._to_sharding(opt_specs)
     self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
-    self._batch_sharding = NamedSharding(self.mesh, batch_spec)
-    replicated = NamedSharding(self.mesh, P())
+    pm = self.plan.mesh
+    self._batch_sharding = NamedSharding(self.mesh, P(pm.data_axes if len(pm.data_axes) > 1
+                                                      else "dp"))
+
+  def _jit_step(self):
+    """The jitted step: the shard_map body on the partitioned state, then the optimizer."""
+    layout, traced, optimizer, zero = self._layout, self._traced, self.optimizer, self.plan.mesh.zero
+    sharded = zero >= 3 or layout.shards_masters
+    n_batch = len(traced.spec.batch)
+    # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
+    body = shard_map_unchecked(self._program.body, self.mesh,
+                      in_specs=(layout.specs(sharded, sharded, working=True),
+                                [self._batch_sharding.spec] * n_batch),
+                      out_specs=(layout.specs(zero >= 1, zero >= 1, working=True), P()))
+    has_aux = self.has_aux
 
     def step_fn(state: TrainState, batch: list):
       grads, sums = body(layout.to_working(state.params), batch)
@@ -204,22 +230,14 @@ class TrainStep:
       params = optax.apply_updates(params, updates)
       return TrainState(layout.pack(jax.tree_util.tree_leaves(params)), opt_state, self), loss
 
-    compiler_options = options.compiler_options
+    compiler_options = self.options.compiler_options
     if compiler_options is None:
       device = self.devices[0]
       rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
       compiler_options = self._program.compiler_options("rocm" if rocm else device.platform)
-    self._step = jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
-                         out_shardings=(self._state_shardings, replicated), donate_argnums=0,
-                         compiler_options=dict(compiler_options) or None)
-    self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
-    self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
-    self._pack_opt = jax.jit(layout.pack, out_shardings=to_sharding(grad_specs))
-    self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
-    self._to_canonical = None
-    self._grad_specs = grad_specs
-    self._collectives: list[StepCollective] | None = None
-    self._compiled = None  # the step `memory` compiled, which calls then run
+    return jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
+                   out_shardings=(self._state_shardings, NamedSharding(self.mesh, P())),
+                   donate_argnums=0, compiler_options=dict(compiler_options) or None)
 
   # -- public API ---------------------------------------------------------------
 
