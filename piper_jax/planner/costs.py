@@ -267,28 +267,14 @@ def _loss_cotangent(traced) -> int:
 
 def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: bool,
                   options: LoweringOptions = LoweringOptions()) -> Estimate:
-  """The `Estimate` of a planned candidate."""
+  """The `Estimate` of a planned candidate: the simulated compute, then per pipeline
+  rank its memory and its traffic; the busiest rank sets each."""
   spec, mesh = model.spec, plan.mesh
   rows = model.batch_size // (mesh.n_data * plan.n_microbatches)  # rows of one microbatch
   scale = rows / model.batch_size  # the trace holds the whole batch; costs scale with rows
-  if costs.region_times is not None:  # measured seconds per task
-    report = plan.simulate(costs.region_times.costs(rows))
-    compute = report.tick_makespan + costs.tick_overhead_s * len(plan.ticks)
-  else:
-    report = plan.simulate("flops")
-    top = max([r.flops for r in spec.regions] + [0.0])
-    unit = top * scale / costs.flops_per_s  # seconds per simulated unit (largest region's F)
-    compute = report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
-  n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
-  f = (n - 1) / n
+  report, compute = _simulated_compute(model, plan, costs, rows, scale)
   act = model.act_bytes(remat)
   full = model.act_bytes(False) if remat else act
-  peak = MemoryEstimate(0, 0, 0, 0)
-  comm = exposed = update = 0.0
-  pipelined = mesh.n_pp > 1
-  ep, tp = mesh.size("ep"), mesh.size("tp")
-  tokens = _tokens(spec) * scale  # tokens of one microbatch on one device's rows
-  act_item = _act_itemsize(spec)
   acts_of = [_peak_activations(plan, report, rank,
                                {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
              for rank in range(mesh.n_pp)]
@@ -300,78 +286,15 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   # as its largest rank's part: every device holds that, not only its own rank's leaves
   # (interleaved 1F1B with the embedding on the first rank and the head on the last).
   stacked = _stacked_bytes(model, plan, options) if mesh.n_pp > 1 else None
+  peak = MemoryEstimate(0, 0, 0, 0)
+  comm = exposed = update = 0.0
   for rank in range(mesh.n_pp):
-    regions = plan.rank_regions(rank)
-    # Leaves split over an expert or tensor group: each device holds 1/group of them,
-    # and ZeRO divides that piece over the group's copies (n / group devices).
-    group = {p: mesh.size(mesh.sharded[r]) for r in regions if r in mesh.sharded
-             for p in mesh.split_dims.get(r, {})}
-    leaves = sorted({p for r in regions for p in spec.regions[r].params} - set(group))
-    p_bytes = sum(spec.params[p].nbytes for p in leaves)
-    pieces = [(spec.params[p].nbytes / g, n // g) for p, g in group.items()]
-    piece_bytes = sum(b for b, _ in pieces)  # this device's pieces, whole over their copies
-    by_zero = lambda stage: sum(b / (c if zero >= stage else 1) for b, c in pieces)
-    # A leaf's bytes in the dtype the model reads it in (cast once a step).
-    read = lambda p: spec.params[p].nbytes * model.copy_ratio.get(p, 1.0)
-    region_read = [sum(read(p) for p in spec.regions[r].params if p not in group)
-                   for r in regions]
-    # ZeRO-3 gathers weights in the dtype they are read in: a pipeline's once, as the step
-    # starts, kept for the step; without a pipeline one region at a time.
-    # A pipeline's split pieces are gathered whole over their copies too.
-    gathered = (sum(read(p) for p in leaves) + piece_bytes if pipelined
-                else max(region_read, default=0)) if zero >= 3 else 0
-    cast = int(sum(read(p) for p in leaves if p in model.copy_ratio))
-    # ZeRO-1/2 with weights read in a narrower dtype keep the fp32 parameters sharded
-    # and gather the narrow copy as the step starts (the distributed optimizer); below
-    # ZeRO-3 a pipeline also casts its weights once a step and keeps the copies.
-    masters = (options.shard_masters and options.cast_weights and zero in (1, 2) and n > 1
-               and cast > 0)
-    copies = cast if masters or (pipelined and zero < 3) else 0
-    held = p_bytes if stacked is None else stacked  # parameters and optimizer state
-    params = int(held / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
-    # A pipeline sums a stage's gradients whole over its microbatches, at any ZeRO stage,
-    # and reduce-scatters them once; split pieces' sums are whole until the step ends.
-    grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1) + piece_bytes)
-    updated = held / (n if zero >= 1 else 1) + by_zero(1)  # parameter bytes it updates
-    opt = int(updated * model.opt_ratio)
-    update = max(update, costs.update_seconds(updated, model.opt_ratio))
-    p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
-    acts = acts_of[rank]
-    # A backward under remat first recomputes what its forward dropped.
-    working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
-    if pipelined and any(spec.regions[r].produces_loss for r in regions):
-      working += int(model.loss_cotangent * scale)
-    mem = MemoryEstimate(params, grads, opt, acts, copies, working,
-                         grads_with_activations=pipelined or m > 1)
+    mem, p_bytes, rank_update = _rank_memory(model, plan, rank, costs, options, stacked,
+                                             acts_of[rank], act, full, remat, scale)
     if mem.total > peak.total:
       peak = mem
-    # Data-parallel traffic per device: ZeRO 0/1 and pipelines reduce once a step and
-    # gather the update (ZeRO-3: the weights, once a step); ZeRO 2/3 without a pipeline
-    # reduce-scatter per microbatch, and ZeRO-3 gathers weights before each F and B.
-    if zero <= 1 or pipelined:
-      dp_bytes = 2 * f * p_bytes
-    elif zero == 2:
-      dp_bytes = f * p_bytes * (m + 1)
-    else:
-      dp_bytes = f * p_bytes * 3 * m
-    # Expert parallel: each EP region's tokens go to their experts' devices and back,
-    # in F and again in B, every microbatch. These and tensor parallelism's reductions
-    # sit between a region's computations, which wait for them.
-    sent = sum(4 * (ep - 1) / ep * x.spec.nbytes * scale * m
-               for r in regions if mesh.sharded.get(r) == "ep"
-               for x in spec.regions[r].inputs)
-    # Tensor parallel: each row-parallel weight (split on the dimension it contracts)
-    # has its output all-reduced over the group in F, and its input's cotangent in B.
-    sent += sum(2 * 2 * (tp - 1) / tp * tokens * spec.params[p].shape[-1] * act_item
-                * m for r in regions if mesh.sharded.get(r) == "tp"
-                for p, d in mesh.split_dims.get(r, {}).items()
-                if d == 0 and len(spec.params[p].shape) == 2)
-    # Pipeline traffic: each activation crossing ranks goes forward, its cotangent back.
-    for r in spec.regions:
-      for x in r.inputs:
-        a, b = mesh.region_rank[x.region], mesh.region_rank[r.index]
-        if a != b and rank in (a, b):
-          sent += x.spec.nbytes * scale * m
+    update = max(update, rank_update)
+    dp_bytes, sent = _rank_traffic(model, plan, rank, p_bytes, scale)
     comm = max(comm, (dp_bytes + sent) / costs.link_bytes_per_s)
     exposed = max(exposed, sent / costs.link_bytes_per_s)
   # Without a pipeline, XLA runs the data-parallel reductions and gathers beside the
@@ -379,8 +302,117 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   # earlier ones): only communication beyond the compute's time shows, besides what
   # the regions wait for. A pipeline's loop reduces after its last tick and waits for
   # its messages each tick. The update follows the summed gradients.
-  step = (compute + comm if pipelined else max(compute, comm - exposed) + exposed) + update
+  if mesh.n_pp > 1:
+    step = compute + comm + update
+  else:
+    step = max(compute, comm - exposed) + exposed + update
   return Estimate(step, compute, comm, report.bubble_fraction, peak, update, plan)
+
+
+def _simulated_compute(model: MeasuredModel, plan: Plan, costs: CostModel, rows: int,
+                       scale: float) -> tuple[Any, float]:
+  """The plan simulated (from measured region times, else FLOPs) and its compute seconds,
+  a tick's overhead included."""
+  if costs.region_times is not None:  # measured seconds per task
+    report = plan.simulate(costs.region_times.costs(rows))
+    return report, report.tick_makespan + costs.tick_overhead_s * len(plan.ticks)
+  report = plan.simulate("flops")
+  top = max([r.flops for r in model.spec.regions] + [0.0])
+  unit = top * scale / costs.flops_per_s  # seconds per simulated unit (largest region's F)
+  return report, report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
+
+
+def _rank_memory(model: MeasuredModel, plan: Plan, rank: int, costs: CostModel,
+                 options: LoweringOptions, stacked: int | None, acts: int, act, full,
+                 remat: bool, scale: float) -> tuple[MemoryEstimate, float, float]:
+  """A pipeline rank's peak memory per device, the bytes of parameters its gradients
+  reduce over the data-parallel replicas, and its optimizer update's seconds."""
+  spec, mesh = model.spec, plan.mesh
+  n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
+  pipelined = mesh.n_pp > 1
+  regions = plan.rank_regions(rank)
+  # Leaves split over an expert or tensor group: each device holds 1/group of them,
+  # and ZeRO divides that piece over the group's copies (n / group devices).
+  group = {p: mesh.size(mesh.sharded[r]) for r in regions if r in mesh.sharded
+           for p in mesh.split_dims.get(r, {})}
+  leaves = sorted({p for r in regions for p in spec.regions[r].params} - set(group))
+  p_bytes = sum(spec.params[p].nbytes for p in leaves)
+  pieces = [(spec.params[p].nbytes / g, n // g) for p, g in group.items()]
+  piece_bytes = sum(b for b, _ in pieces)  # this device's pieces, whole over their copies
+  by_zero = lambda stage: sum(b / (c if zero >= stage else 1) for b, c in pieces)
+  # A leaf's bytes in the dtype the model reads it in (cast once a step).
+  read = lambda p: spec.params[p].nbytes * model.copy_ratio.get(p, 1.0)
+  region_read = [sum(read(p) for p in spec.regions[r].params if p not in group)
+                 for r in regions]
+  # ZeRO-3 gathers weights in the dtype they are read in: a pipeline's once, as the step
+  # starts, kept for the step; without a pipeline one region at a time.
+  # A pipeline's split pieces are gathered whole over their copies too.
+  gathered = (sum(read(p) for p in leaves) + piece_bytes if pipelined
+              else max(region_read, default=0)) if zero >= 3 else 0
+  cast = int(sum(read(p) for p in leaves if p in model.copy_ratio))
+  # ZeRO-1/2 with weights read in a narrower dtype keep the fp32 parameters sharded
+  # and gather the narrow copy as the step starts (the distributed optimizer); below
+  # ZeRO-3 a pipeline also casts its weights once a step and keeps the copies.
+  masters = (options.shard_masters and options.cast_weights and zero in (1, 2) and n > 1
+             and cast > 0)
+  copies = cast if masters or (pipelined and zero < 3) else 0
+  held = p_bytes if stacked is None else stacked  # parameters and optimizer state
+  params = int(held / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
+  # A pipeline sums a stage's gradients whole over its microbatches, at any ZeRO stage,
+  # and reduce-scatters them once; split pieces' sums are whole until the step ends.
+  grads = int(p_bytes / (n if zero >= 2 and not pipelined else 1) + piece_bytes)
+  updated = held / (n if zero >= 1 else 1) + by_zero(1)  # parameter bytes it updates
+  opt = int(updated * model.opt_ratio)
+  update = costs.update_seconds(updated, model.opt_ratio)
+  p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
+  # A backward under remat first recomputes what its forward dropped.
+  working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
+  if pipelined and any(spec.regions[r].produces_loss for r in regions):
+    working += int(model.loss_cotangent * scale)
+  mem = MemoryEstimate(params, grads, opt, acts, copies, working,
+                       grads_with_activations=pipelined or m > 1)
+  return mem, p_bytes, update
+
+
+def _rank_traffic(model: MeasuredModel, plan: Plan, rank: int, p_bytes: float,
+                  scale: float) -> tuple[float, float]:
+  """Bytes a device of pipeline `rank` moves per step: (data-parallel reductions and
+  gathers, what its computations wait for: expert, tensor and pipeline messages)."""
+  spec, mesh = model.spec, plan.mesh
+  n, m, zero = mesh.n_dp, plan.n_microbatches, mesh.zero
+  f = (n - 1) / n
+  regions = plan.rank_regions(rank)
+  ep, tp = mesh.size("ep"), mesh.size("tp")
+  # Data-parallel traffic per device: ZeRO 0/1 and pipelines reduce once a step and
+  # gather the update (ZeRO-3: the weights, once a step); ZeRO 2/3 without a pipeline
+  # reduce-scatter per microbatch, and ZeRO-3 gathers weights before each F and B.
+  if zero <= 1 or mesh.n_pp > 1:
+    dp_bytes = 2 * f * p_bytes
+  elif zero == 2:
+    dp_bytes = f * p_bytes * (m + 1)
+  else:
+    dp_bytes = f * p_bytes * 3 * m
+  # Expert parallel: each EP region's tokens go to their experts' devices and back,
+  # in F and again in B, every microbatch. These and tensor parallelism's reductions
+  # sit between a region's computations, which wait for them.
+  sent = sum(4 * (ep - 1) / ep * x.spec.nbytes * scale * m
+             for r in regions if mesh.sharded.get(r) == "ep"
+             for x in spec.regions[r].inputs)
+  # Tensor parallel: each row-parallel weight (split on the dimension it contracts)
+  # has its output all-reduced over the group in F, and its input's cotangent in B.
+  tokens = _tokens(spec) * scale  # tokens of one microbatch on one device's rows
+  act_item = _act_itemsize(spec)
+  sent += sum(2 * 2 * (tp - 1) / tp * tokens * spec.params[p].shape[-1] * act_item
+              * m for r in regions if mesh.sharded.get(r) == "tp"
+              for p, d in mesh.split_dims.get(r, {}).items()
+              if d == 0 and len(spec.params[p].shape) == 2)
+  # Pipeline traffic: each activation crossing ranks goes forward, its cotangent back.
+  for r in spec.regions:
+    for x in r.inputs:
+      a, b = mesh.region_rank[x.region], mesh.region_rank[r.index]
+      if a != b and rank in (a, b):
+        sent += x.spec.nbytes * scale * m
+  return dp_bytes, sent
 
 
 def _stacked_bytes(model: MeasuredModel, plan: Plan, options: LoweringOptions) -> int:
