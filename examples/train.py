@@ -370,10 +370,10 @@ def plan_for(args, n_stages: int, dtype, n_devices: int) -> dict:
   batch = {"tokens": tokens, "targets": tokens}
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr))
   card = accelerator(args.plan_for)
-  memory = args.memory_gib * 2 ** 30 if args.memory_gib is not None else card.memory_bytes
-  try:
+  try:  # the card's memory unless --memory-gib says otherwise
     result = pj.strategies.search(family.loss_fn(model), optimizer, params, batch, n_devices,
-                                  memory, target=card, remat=args.remat,
+                                  None if args.memory_gib is None else args.memory_gib * 2 ** 30,
+                                  target=card, remat=args.remat,
                                   reduce_dtype=args.reduce_dtype,
                                   bucket_mb=args.bucket_mb or None,
                                   expert_parallel=True if args.ep else None,
@@ -381,7 +381,8 @@ def plan_for(args, n_stages: int, dtype, n_devices: int) -> dict:
                                                                        args.experts))
   except ValueError as e:
     raise UsageError(f"--plan-for {args.plan_for}: {e}") from e
-  print(f"strategy search for {n_devices} x {card.name} ({memory / 2 ** 30:.3g} GiB each), "
+  print(f"strategy search for {n_devices} x {card.name} "
+        f"({result.memory_per_device / 2 ** 30:.3g} GiB each), "
         f"planned on this machine: {len(result.candidates)} fit, {len(result.rejected)} "
         f"rejected")
   print(result.table())

@@ -140,8 +140,11 @@ class TrainStep:
                             order_collectives=self.devices[0].platform == "cpu")
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
-    self._place_state()
-    self._step = self._jit_step()
+    # ZeRO-1/2 with bf16-read weights keep the fp32 masters sharded like the gradients
+    # (`layout.shards_masters`); ZeRO-3 shards them too.
+    sharded = pm.zero >= 3 or layout.shards_masters
+    self._place_state(sharded)
+    self._step = self._jit_step(sharded)
     replicated = NamedSharding(self.mesh, P())
     self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
     self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
@@ -168,13 +171,11 @@ class TrainStep:
     return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
                                   is_leaf=lambda x: isinstance(x, P))
 
-  def _place_state(self) -> None:
-    """How the state is partitioned: parameters, gradients, optimizer state and the
-    batch, and whether the optimizer updates packed buffers or whole leaves."""
+  def _place_state(self, sharded: bool) -> None:
+    """How the state is partitioned (`sharded`: the parameters over the data-parallel
+    replicas): parameters, gradients, optimizer state and the batch, and whether the
+    optimizer updates packed buffers or whole leaves."""
     layout, traced, optimizer, zero = self._layout, self._traced, self.optimizer, self.plan.mesh.zero
-    # ZeRO-1/2 with bf16-read weights keep the fp32 masters sharded like the gradients
-    # (`layout.shards_masters`); ZeRO-3 shards them too.
-    sharded = zero >= 3 or layout.shards_masters
     self._grad_specs = grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
     self._param_shardings = self._to_sharding(layout.specs(sharded=sharded, split_sharded=sharded))
     # The optimizer updates the packed buffers when it treats every element alike;
@@ -202,10 +203,10 @@ class TrainStep:
     self._batch_sharding = NamedSharding(self.mesh, P(pm.data_axes if len(pm.data_axes) > 1
                                                       else "dp"))
 
-  def _jit_step(self):
-    """The jitted step: the shard_map body on the partitioned state, then the optimizer."""
+  def _jit_step(self, sharded: bool):
+    """The jitted step: the shard_map body on the partitioned state (`sharded` as in
+    `_place_state`), then the optimizer."""
     layout, traced, optimizer, zero = self._layout, self._traced, self.optimizer, self.plan.mesh.zero
-    sharded = zero >= 3 or layout.shards_masters
     n_batch = len(traced.spec.batch)
     # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
     body = shard_map_unchecked(self._program.body, self.mesh,

@@ -189,3 +189,9 @@ def shard_map_body(jaxpr):
       inner = getattr(inner, "jaxpr", inner)
       if isinstance(inner, Jaxpr) and (found := shard_map_body(inner)):
         return found
+
+
+def bytes_on_device(tree, device) -> int:
+  """Bytes of the arrays of `tree` (a step's state) held on `device`."""
+  return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
+             for s in x.addressable_shards if s.device == device)

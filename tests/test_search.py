@@ -11,7 +11,7 @@ import pytest
 
 import piper_jax as pj
 from examples import gpt
-from models import assert_same_run, reference_run
+from models import assert_same_run, bytes_on_device, reference_run
 from piper_jax.planner import estimate_plan, format_bytes, measure_model
 
 MIB = 1 << 20
@@ -457,9 +457,7 @@ def test_distributed_optimizer_shards_the_masters_and_gathers_the_bf16_copy():
   assert fp32 / 2 * 0.9 < m.weight_copies <= fp32 / 2  # the leaves read in bf16
   # The step's state on a device is its shard of the fp32 parameters and of adam's moments.
   step = pj.compile(loss, tx, directives, params, batch, devices=jax.devices()[:4])
-  state = step.init(params)
-  held = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state)
-             for s in x.addressable_shards if s.device == jax.devices()[0])
+  held = bytes_on_device(step.init(params), jax.devices()[0])
   assert held == pytest.approx(m.params + m.optimizer, rel=0.05)
 
 
@@ -499,9 +497,7 @@ def test_stacked_slots_hold_the_largest_ranks_part_on_every_device():
       assert m.params >= params["embed"].nbytes + params["head"].nbytes > own
     step = pj.compile(loss, tx, directives, params, batch, devices=jax.devices()[:2],
                       options=options)
-    state = step.init(params)
-    held = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(state)
-               for s in x.addressable_shards if s.device == jax.devices()[0])
+    held = bytes_on_device(step.init(params), jax.devices()[0])
     assert held == pytest.approx(m.params + m.optimizer, rel=0.02)
 
 

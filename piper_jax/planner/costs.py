@@ -24,7 +24,7 @@ from piper_jax.ir.plan import Plan
 from piper_jax.lowering import (LoweringOptions, ParamLayout, RegionRunner, analyze_region,
                                 lowers_as_loop, trace_loss)
 from piper_jax.planner.calibrate import RegionTimes
-from piper_jax.planner.hardware import ACCELERATORS, Accelerator, accelerator
+from piper_jax.planner.hardware import Accelerator, target_card
 
 __all__ = ["CostModel", "MemoryEstimate", "Estimate", "estimate", "measure_model",
            "estimate_plan", "MeasuredModel", "format_bytes", "format_time"]
@@ -66,10 +66,7 @@ class CostModel:
     at `mfu` of its dense bf16 peak (dense models of 1-8B parameters reach 0.55-0.57 on
     an H200 with cuDNN attention), its memory bandwidth and its links within a host,
     whatever machine plans; `fields` set the others (`region_times`, ...)."""
-    found = card if isinstance(card, Accelerator) else accelerator(card)
-    if found is None:
-      raise ValueError(f"unknown accelerator {card!r}; choose one of {list(ACCELERATORS)}, or "
-                       f"pass a piper_jax.planner.Accelerator")
+    found = target_card(card)
     return cls(**{"flops_per_s": mfu * found.peak_flops,
                   "memory_bytes_per_s": found.memory_bytes_per_s,
                   "link_bytes_per_s": found.link_bytes_per_s, **fields})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Accelerator", "ACCELERATORS", "accelerator"]
+__all__ = ["Accelerator", "ACCELERATORS", "accelerator", "target_card"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,3 +42,12 @@ def accelerator(device_kind: str) -> Accelerator | None:
   """The known card whose name `device_kind` contains ("NVIDIA H200", or "H200"), or
   None (a CPU, or a card the planner has no figures for)."""
   return next((a for name, a in ACCELERATORS.items() if name in device_kind), None)
+
+
+def target_card(card: "Accelerator | str") -> Accelerator:
+  """`card` itself, or the known card of that name; a ValueError names the known ones."""
+  found = card if isinstance(card, Accelerator) else accelerator(card)
+  if found is None:
+    raise ValueError(f"unknown accelerator {card!r}; choose one of {list(ACCELERATORS)}, or "
+                     f"pass a piper_jax.planner.Accelerator")
+  return found

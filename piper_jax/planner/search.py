@@ -24,7 +24,7 @@ from piper_jax.ir.directives import (Directive, Order, order, place, replicate, 
                                      shard_tensor, split)
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.lowering import LoweringOptions
-from piper_jax.planner.hardware import ACCELERATORS, Accelerator, accelerator
+from piper_jax.planner.hardware import ACCELERATORS, Accelerator, target_card
 from piper_jax.planner.costs import (CostModel, Estimate, MeasuredModel, estimate_plan,
                                      format_bytes, format_time, measure_model)
 
@@ -472,12 +472,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
                      f"devices to plan for")
   if not 0 < headroom <= 1:
     raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
-  card = None
   if target is not None:
-    card = target if isinstance(target, Accelerator) else accelerator(target)
-    if card is None:
-      raise ValueError(f"unknown target {target!r}; choose one of {list(ACCELERATORS)}, or "
-                       f"pass a piper_jax.planner.Accelerator")
+    card = target_card(target)
     memory_per_device = card.memory_bytes if memory_per_device is None else memory_per_device
     costs = costs or CostModel.for_accelerator(card)
   if memory_per_device is None or not memory_per_device > 0:
