@@ -143,3 +143,11 @@ def test_the_search_table_is_markdown_and_says_how_many_it_shows():
   assert str(slow).splitlines()[0] == "dp8 zero0, 1 microbatch"
   assert fast.peak_memory == 3 * GIB // 2
 
+
+
+def test_a_card_the_planner_does_not_know_is_refused_by_name():
+  with pytest.raises(ValueError, match=r"unknown accelerator 'B300'; choose one of \['H100', 'H200', 'A100'\]"):
+    CostModel.for_accelerator("B300")
+  h200 = CostModel.for_accelerator("NVIDIA H200", mfu=0.5)
+  assert h200.flops_per_s == pytest.approx(0.5 * 989e12)
+  assert h200.memory_bytes_per_s == 4.8e12 and h200.link_bytes_per_s == 300e9
