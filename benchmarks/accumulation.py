@@ -6,7 +6,8 @@ Rows, each at a global batch and a microbatch count, on the first device:
   split     piper-jax `[pj.split(k)]` (accumulation on one device);
   1f1b      piper-jax 1F1B over the model's 2 pipeline regions, both on the device.
 Each row gives its step time (median of `--steps` after `--warmup`), XLA's count of its
-compiled program's memory and its compile time (lower + compile), and the ratios to the
+compiled program's memory and its compile time (lower + compile; for piper-jax's rows
+`pj.compile`'s tracing and planning too), and the ratios to the
 `scan` row of the same batch and microbatch count.
 
   python benchmarks/accumulation.py --model tiny --batch 32 --microbatches 2,8,32   # CPU
@@ -82,8 +83,8 @@ def _piper(loss_fn, tx, params, batch, k: int, row: str):
   if row == "1f1b":
     directives += [pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [0])]
     directives += pj.schedules.one_f_one_b(2, k)
+  started = time.perf_counter()  # pj.compile's tracing and planning count as compiling
   step = pj.compile(loss_fn, tx, directives, params, batch, devices=jax.devices()[:1])
-  started = time.perf_counter()
   compiled = step.compile()
   compile_s = time.perf_counter() - started
   state = [step.init(params)]

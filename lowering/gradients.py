@@ -4,7 +4,9 @@ A pipeline rank adds each task's weight gradients to running sums, one per leaf
 (flat, at a position ranks share by size: `match_positions`), or, under ZeRO 2/3
 without a pipeline, to this replica's reduce-scattered (slot, dtype) segments. As the step
 ends the sums are laid out into the flat parameter segments (`assemble`) and reduced
-over the data axes once (`finish`). Split leaves (shard / shard_tensor) keep their
+over the data axes once (`finish`). A loop on one rank (gradient accumulation) adds them
+to the whole segments in place instead (`in_segments`): laying out per-leaf sums would
+hold a second copy of every gradient as the step ends. Split leaves (shard / shard_tensor) keep their
 pieces' shapes and are summed over their copies only (`finish_split`).
 """
 
@@ -39,6 +41,8 @@ class GradientSums:
       embedding [V, D] on the first rank and its head [D, V] on the last): every rank
       holds every position, and by shape each would hold both. Split leaves' pieces
       come last, from `split0` on, at `split0 + layout.split_pos[p]`.
+    in_segments: one rank's loop: the sums of unsplit leaves are its whole (slot,
+      dtype) segments, each leaf added at its offset, not per-leaf sums.
     where: (rank, leaf) -> its position.
     leaves_of_rank: rank -> the unsplit leaves whose gradients it makes.
     owned: rank -> the positions of those leaves.
@@ -54,12 +58,14 @@ class GradientSums:
   """
 
   def __init__(self, model: ModelSpec, plan: Plan, layout: ParamLayout,
-               ad: dict[int, RegionAD], reduce_dtype: str | None):
+               ad: dict[int, RegionAD], reduce_dtype: str | None, looped: bool = False):
+    """`looped`: the step is one loop over its ticks (`lowering.tick_loop`)."""
     self.model, self.plan, self.layout, self.ad = model, plan, layout, ad
     self.reduce_dtype = reduce_dtype
     self.data_axes = plan.mesh.data_axes
     self.n_data = plan.mesh.n_data
     self.scatter_each_tick = layout.zero >= 2 and plan.mesh.n_pp == 1
+    self.in_segments = looped and plan.n_ranks == 1 and not self.scatter_each_tick
     per_rank: dict[int, list] = {r: [] for r in range(plan.n_ranks)}
     split_leaves: dict[int, int] = {}
     for r in model.regions:
@@ -122,7 +128,10 @@ class GradientSums:
 
   def zero_sums(self) -> tuple[dict, dict]:
     """Zero sums of every position the step adds to: (acc, split_acc)."""
-    if not self.scatter_each_tick:
+    if self.in_segments:
+      acc = {key: jnp.zeros((self.layout.segment_size(*key),), jnp.dtype(key[1]))
+             for key in self.segment_keys(range(self.split0))}
+    elif not self.scatter_each_tick:
       acc = {pos: zeros_of(self.positions[pos]) for pos in range(self.split0)}
     else:
       acc = {key: jnp.zeros((self.layout.segment_size(*key) // self.n_data,), jnp.dtype(key[1]))
@@ -136,6 +145,14 @@ class GradientSums:
     """Adds one task's weight gradients (leaf -> array) on pipeline rank `rank` to the
     step's sums (`zero_sums`): per-leaf sums, or this replica's reduce-scattered
     segments (`scatter_each_tick`); split leaves' pieces to `split_acc`."""
+    if self.in_segments:
+      for p, g in grads.items():
+        if p not in self.layout.split:
+          h = self.layout.home[p]
+          key = (h.slot, h.dtype)
+          at = acc[key][h.offset:h.offset + g.size] + jnp.ravel(g).astype(acc[key].dtype)
+          acc[key] = lax.dynamic_update_slice(acc[key], at, (h.offset,))
+      grads = {p: g for p, g in grads.items() if p in self.layout.split}
     by_pos = {self.where[(rank, p)]: g for p, g in grads.items()}
     segment_grads = {}
     for pos, g in by_pos.items():

@@ -42,6 +42,10 @@ from piper_jax.lowering.values import (Kept, TickValues,
 __all__ = ["Program", "lowers_as_loop"]
 
 _GRAD_PASSES = (Pass.B, Pass.BW)
+# Expert parallel's kinds of values -> the kind they are in the devices' own layout.
+_BY_EXPERT = {ValueKind.ACT_TO_EP: ValueKind.ACT, ValueKind.CT_TO_EP: ValueKind.CT,
+              ValueKind.ACT_FROM_EP: ValueKind.ACT, ValueKind.CT_FROM_EP: ValueKind.CT}
+_MADE_BY_EXPERTS = (ValueKind.ACT_FROM_EP, ValueKind.CT_FROM_EP)
 
 
 def _from_stored(fn, ad: RegionAD, split: BackwardSplit):
@@ -129,7 +133,8 @@ class Program:
                          f"pj.annotate('EP'), from values every device holds whole")
     # Gradients reduced over data axes travel in this dtype (replicate's reduce_dtype).
     self.reduce_dtype = plan.reduce_dtype if layout.n_dp > 1 else None
-    self.grads = GradientSums(self.model, plan, layout, self.ad, self.reduce_dtype)
+    self.grads = GradientSums(self.model, plan, layout, self.ad, self.reduce_dtype,
+                              looped=lowers_as_loop(plan))
     if lowers_as_loop(plan):
       # The loop finds its values through its own table (`schedule_table`), not
       # positions kept per tick, and reduces gradients once, after its last tick.
@@ -205,6 +210,9 @@ class Program:
 
   def value_aval(self, key: ValueKey):
     """The shape and dtype of a value."""
+    if key.kind in _BY_EXPERT:  # expert parallel's layout: [device, its share, ...]
+      a = self.value_aval(key.as_kind(_BY_EXPERT[key.kind]))
+      return jax.ShapeDtypeStruct((self.ep, a.shape[0] // self.ep) + a.shape[1:], a.dtype)
     r, k = key.region, key.index
     spec = self.model.regions[r]
     if key.kind is ValueKind.ACT:
@@ -221,21 +229,55 @@ class Program:
     """Value keys a task reads."""
     r, m = task.region, task.mb
     spec, ad = self.model.regions[r], self.ad[r]
+    act_in, act_out, ct_in = self._io_kinds(r)
     keys = []
     if task.pass_ is Pass.F:
-      keys += [ValueKey(ValueKind.ACT, x.region, m, x.output) for x in spec.inputs]
+      keys += [ValueKey(act_in, x.region, m, x.output) for x in spec.inputs]
     else:
       keys += [ValueKey(ValueKind.RES, r, m, k) for k in range(len(ad.stored))]
       for kind, i in ad.reads:
         if kind == "act":
           x = spec.inputs[i]
-          keys.append(ValueKey(ValueKind.ACT, x.region, m, x.output))
+          keys.append(ValueKey(act_in, x.region, m, x.output))
         else:
-          keys.append(ValueKey(ValueKind.ACT, r, m, i))
-      keys += self._ct_sources(r, m)
+          keys.append(ValueKey(act_out, r, m, i))
+      keys += [k.as_kind(ct_in) for k in self._ct_sources(r, m)]
       if task.pass_ is Pass.BW:
         keys += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
     return list(dict.fromkeys(keys))
+
+  def _io_kinds(self, r: int) -> tuple[ValueKind, ValueKind, ValueKind]:
+    """The kinds of region r's input activations, its outputs and its outputs'
+    cotangents as its passes read and make them: in its experts' layout if it is expert
+    parallel (see `made_from`)."""
+    if self.runner.io_local(r):
+      return ValueKind.ACT_TO_EP, ValueKind.ACT_FROM_EP, ValueKind.CT_TO_EP
+    return ValueKind.ACT, ValueKind.ACT, ValueKind.CT
+
+  def made_from(self, key: ValueKey) -> ValueKey | None:
+    """The value `key` is regrouped from by expert parallel's all-to-all (`regroup`), or
+    None for a value a task makes: an expert-parallel region reads its inputs and its
+    outputs' cotangents regrouped by expert, and its outputs and its inputs'
+    cotangents are regrouped back from what it makes."""
+    if key.kind in _BY_EXPERT:
+      return None if key.kind in _MADE_BY_EXPERTS else key.as_kind(_BY_EXPERT[key.kind])
+    if key.kind in (ValueKind.ACT, ValueKind.CT) and self.runner.io_local(key.region):
+      return key.as_kind(ValueKind.ACT_FROM_EP if key.kind is ValueKind.ACT
+                         else ValueKind.CT_FROM_EP)
+    return None
+
+  def root(self, key: ValueKey) -> ValueKey:
+    """The value a task makes that `key` is (regrouped from)."""
+    while (src := self.made_from(key)) is not None:
+      key = src
+    return key
+
+  def regroup(self, x: jax.Array, aval) -> jax.Array:
+    """Expert parallel's all-to-all: row j of `x`'s [devices, ...] view goes to device j
+    of the "ep" axis (by expert, or back to where the tokens came from: it is its own
+    inverse), as a value of `aval`'s shape and dtype."""
+    x = lax.all_to_all(x.reshape((self.ep, -1)), "ep", 0, 0, tiled=True)
+    return x.reshape(aval.shape).astype(aval.dtype)
 
   def _ct_sources(self, r: int, m: int, out: int | None = None) -> list[ValueKey]:
     """The cotangent keys (of consumers' inputs, microbatch m) that sum to the cotangent
@@ -250,13 +292,15 @@ class Program:
   def task_produces(self, task: Task) -> list[ValueKey]:
     """Value keys a task makes."""
     r, m = task.region, task.mb
+    ep = self.runner.io_local(r)
     if task.pass_ is Pass.F:
-      return ([ValueKey(ValueKind.ACT, r, m, k)
-               for k in range(len(self.model.regions[r].outputs))]
+      act = ValueKind.ACT_FROM_EP if ep else ValueKind.ACT
+      return ([ValueKey(act, r, m, k) for k in range(len(self.model.regions[r].outputs))]
               + [ValueKey(ValueKind.RES, r, m, k) for k in range(len(self.ad[r].stored))])
     if task.pass_ is Pass.BW:
       return []
-    out = [ValueKey(ValueKind.CT, r, m, i) for i in self.ad[r].diff_acts]
+    ct = ValueKind.CT_FROM_EP if ep else ValueKind.CT
+    out = [ValueKey(ct, r, m, i) for i in self.ad[r].diff_acts]
     if task.pass_ is Pass.BI:
       out += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
     return out
@@ -267,8 +311,8 @@ class Program:
     assert plan.n_ranks == 1, "plans with pipeline ranks are lowered as one loop"
     readers: dict[tuple, list[Task]] = {}
     for t in plan.tasks.values():
-      for key in self.task_reads(t):
-        readers.setdefault(key, []).append(t)
+      for key in self.task_reads(t):  # a regrouped value is regrouped where it is read
+        readers.setdefault(self.root(key), []).append(t)
     self.loc: dict[tuple, Kept] = {}   # (key, reader rank) -> where the reader finds it
     self.ticks: list[TickValues] = []
     for tick_i, tick in enumerate(plan.ticks):
@@ -326,7 +370,7 @@ class Program:
       self._run_ticks(st, params, batch)
     acc = st.acc
     with jax.named_scope("pj:step end"):
-      if not self.grads.scatter_each_tick:
+      if not (self.grads.scatter_each_tick or self.grads.in_segments):
         # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
         acc = (self.grads.assemble(acc, self._switch, self.reduce_dtype,
                                    materialize=not self.buckets) if acc else {})
@@ -412,7 +456,7 @@ class Program:
       params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
     split = self.gather_split_pieces(params["split"], read)
     reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
-                    for key in self.task_reads(t)
+                    for key in map(self.root, self.task_reads(t))
                     if (key, rank) in loc and loc[(key, rank)].tick < tick_i}, key=str)
     # Running gradient sums the tick adds to inside the switch (all but the chunks of
     # `scatter_each_tick`; split leaves).
@@ -487,18 +531,15 @@ class Program:
     model = self.model
     spec, ad = model.regions[r], self.ad[r]
     params = [param(p) for p in spec.params]
-    ep = self.runner.io_local(r)
+    act_in, act_out, ct_in = self._io_kinds(r)
+    ct_out = ValueKind.CT_FROM_EP if ct_in is ValueKind.CT_TO_EP else ValueKind.CT
     loss = self.sums()
     if pass_ is Pass.F:
-      acts = [read(ValueKey(ValueKind.ACT, x.region, m, x.output)) for x in spec.inputs]
-      if ep:
-        acts = [self._dispatch(x) for x in acts]
+      acts = [read(ValueKey(act_in, x.region, m, x.output)) for x in spec.inputs]
       forward = self._pass("F", r, functools.partial(region_forward, ad))
       outs, stored = forward(params, batch, acts)
-      if ep:
-        outs = [self._combine(x) for x in outs]
       for k, x in enumerate(outs):
-        made[ValueKey(ValueKind.ACT, r, m, k)] = x
+        made[ValueKey(act_out, r, m, k)] = x
       for k, x in enumerate(stored):
         made[ValueKey(ValueKind.RES, r, m, k)] = x
       if spec.produces_loss:
@@ -512,19 +553,19 @@ class Program:
     for kind, i in ad.reads:
       if kind == "act":
         x = spec.inputs[i]
-        acts[i] = read(ValueKey(ValueKind.ACT, x.region, m, x.output))
+        acts[i] = read(ValueKey(act_in, x.region, m, x.output))
       else:
-        outs[i] = read(ValueKey(ValueKind.ACT, r, m, i))
+        outs[i] = read(ValueKey(act_out, r, m, i))
     stored = [read(ValueKey(ValueKind.RES, r, m, k)) for k in range(len(ad.stored))]
     cts = []
     for k in ad.float_outs:
-      o = spec.outputs[k]
-      ct = jnp.zeros(o.shape, jnp.dtype(o.dtype))
+      o = self.value_aval(ValueKey(act_out, r, m, k))
+      ct = jnp.zeros(o.shape, o.dtype)
       for key in self._ct_sources(r, m, k):
-        ct = ct + read(key).astype(ct.dtype)
+        ct = ct + read(key.as_kind(ct_in)).astype(ct.dtype)
       if spec.produces_loss and k == self.traced.loss_output():
         ct = ct + jnp.asarray(1.0 / (self.n_data * self.n_mb), ct.dtype)
-      cts.append(self._dispatch(ct) if ep else ct)
+      cts.append(ct)
     args = (stored, params, batch, acts, outs, cts)
     split = self.split[r]
     if pass_ is Pass.B:
@@ -539,7 +580,7 @@ class Program:
       d_params = self._pass("BW", r, _from_stored(backward_weight, ad, split))(*args, carry)
       d_acts = []
     for i, x in zip(ad.diff_acts, d_acts):
-      made[ValueKey(ValueKind.CT, r, m, i)] = self._combine(x) if ep else x
+      made[ValueKey(ct_out, r, m, i)] = x
     for i, g in zip(ad.diff_params, d_params):
       p = spec.params[i]
       grad_acc[p] = grad_acc[p] + g if p in grad_acc else g
@@ -578,6 +619,8 @@ class Program:
       env: dict[tuple, jax.Array] = {}
 
       def read(key):
+        if key not in env and (src := self.made_from(key)) is not None:
+          env[key] = self.regroup(read(src), self.value_aval(key))
         if key in env:
           return env[key]
         return ops["arrays"][loc[(key, rank)]]
@@ -625,15 +668,3 @@ class Program:
       return keep, grads, loss
 
     return run
-
-  def _dispatch(self, x: jax.Array) -> jax.Array:
-    """[experts, ...] tokens of this device -> [source device, local experts, ...]."""
-    g = self.ep
-    x = x.reshape((g, x.shape[0] // g) + x.shape[1:])
-    return lax.all_to_all(x, "ep", 0, 0, tiled=True)
-
-  def _combine(self, x: jax.Array) -> jax.Array:
-    """The inverse of `_dispatch`: results go back to the devices the tokens came from."""
-    x = lax.all_to_all(x, "ep", 0, 0, tiled=True)
-    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-

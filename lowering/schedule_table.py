@@ -14,7 +14,11 @@ What changes from tick to tick is data, built here (numpy, no JAX):
   live at once, not one row per microbatch;
 * the values ranks exchange travel in `Round`s, one `ppermute` each as a tick ends,
   written into the receiver's store; a rank with nothing to send in a round sends its
-  scratch row. Ranks meet once per tick, not once per task.
+  scratch row. Ranks meet once per tick, not once per task;
+* a value made from another by a collective among the devices of one rank (expert
+  parallel's all-to-all, `made_from`) is made by a `Regroup` after the switch of the
+  slot that made its source, on the source's rank: every slot runs the same regroups,
+  on its scratch rows where it has nothing to regroup, so no branch holds a collective.
 
 Value keys are whatever hashable keys the caller's `reads`, `produces` and `signature`
 functions use; the table only needs that a task kind reads and makes values of the
@@ -29,7 +33,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-__all__ = ["TaskKind", "Store", "Round", "ScheduleTable", "build_table", "pair_rounds"]
+__all__ = ["TaskKind", "Store", "Round", "Regroup", "ScheduleTable", "build_table",
+           "pair_rounds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,17 @@ class Round:
 
 
 @dataclasses.dataclass(frozen=True)
+class Regroup:
+  """A position of the regroups every slot runs after its switch: a value of store
+  `source` made into one of store `target`. Positions run in order, so that a value
+  regrouped from one regrouped in the same slot (`level` one more) sees it."""
+
+  level: int
+  source: int
+  target: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduleTable:
   """A ticked plan as arrays indexed [tick, rank, slot, ...] (see the module docstring).
 
@@ -89,7 +105,8 @@ class ScheduleTable:
   write_rows[t, k, s, n]: the rows of its n-th read and made value in their stores;
   send_rows[t, k, j, n]: the row rank k sends at position n of round j in tick t (its
   scratch row if it sends nothing there); recv_rows[t, k, j, n]: the row rank k writes
-  what it receives there into, as the tick ends.
+  what it receives there into, as the tick ends; regroup_rows[t, k, s, n]: (source row,
+  target row) of regroup position n after slot s (scratch rows where there is none).
   """
 
   kinds: tuple[TaskKind, ...]
@@ -102,6 +119,8 @@ class ScheduleTable:
   write_rows: np.ndarray
   send_rows: np.ndarray
   recv_rows: np.ndarray
+  regroups: tuple[Regroup, ...] = ()
+  regroup_rows: np.ndarray | None = None
 
   @property
   def n_iterations(self) -> int:
@@ -184,14 +203,16 @@ def _cached(keys: Callable[[Any], list]) -> Callable[[Any], list]:
 
 
 def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any], list],
-                produces: Callable[[Any], list], signature: Callable[[Hashable], tuple]
+                produces: Callable[[Any], list], signature: Callable[[Hashable], tuple],
+                made_from: Callable[[Hashable], Hashable | None] = lambda key: None
                 ) -> ScheduleTable:
   """The table of `ticks` ([tick][rank] -> tasks with `region`, `pass_`, `mb`).
 
   reads(task) / produces(task): the keys of the values a task reads / makes;
-  signature(key): the value's (shape, dtype). Raises ValueError when a value is read
-  before it is made (on another rank: in the tick it is made), or a task kind's values
-  differ in signature between microbatches.
+  signature(key): the value's (shape, dtype); made_from(key): the key a value no task
+  makes is regrouped from (see `Regroup`), or None. Raises ValueError when a value is
+  read before it is made (on another rank: in the tick it is made), or a task kind's
+  values differ in signature between microbatches.
   """
   n_ranks = len(ticks[0]) if ticks else 0
   sigs: dict[tuple, int] = {}
@@ -201,9 +222,11 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
     return sigs.setdefault(tuple(signature(key)), len(sigs))
 
   groups, first_task = _group_tasks(ticks, reads, produces)
-  kind_list, first, task = _task_kinds(groups, first_task, reads, produces, store_of)
+  derived = _regrouped(groups, reads, made_from)
+  kind_list, first, task = _task_kinds(groups, first_task, reads, produces, store_of,
+                                       set(derived.values()))
   n_slots = max([g[2] + 1 for g in groups] + [1])
-  lives, used, sends = _value_lives(task, n_slots, store_of)
+  lives, used, sends, regroups = _value_lives(task, n_slots, store_of, derived)
   depth = _assign_rows(lives, used, n_ranks, len(sigs))
   sig_list = sorted(sigs, key=sigs.get)
   stores = tuple(Store(tuple(shape), str(dt), depth[j]) for j, (shape, dt) in enumerate(sig_list))
@@ -217,8 +240,26 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
                                                  row)
   rounds, send_rows, recv_rows = _exchange_rounds(sends, stores, len(ticks), n_ranks,
                                                   store_of, row)
+  positions, regroup_rows = _regroup_arrays(regroups, stores, len(ticks), n_ranks, n_slots,
+                                            store_of, row)
   return ScheduleTable(tuple(kind_list), tuple(first), stores, tuple(rounds), code, mb,
-                       read_rows, write_rows, send_rows, recv_rows)
+                       read_rows, write_rows, send_rows, recv_rows, positions, regroup_rows)
+
+
+def _regrouped(groups: dict, reads, made_from) -> dict:
+  """Every value read that is regrouped from another (and those it is regrouped from,
+  in turn) -> the key it is regrouped from."""
+  derived: dict = {}
+  todo = [k for ts in groups.values() for t in ts for k in reads(t)]
+  while todo:
+    key = todo.pop()
+    if key in derived:
+      continue
+    src = made_from(key)
+    if src is not None:
+      derived[key] = src
+      todo.append(src)
+  return derived
 
 
 def _group_tasks(ticks, reads, produces) -> tuple[dict, dict]:
@@ -255,11 +296,11 @@ def _group_tasks(ticks, reads, produces) -> tuple[dict, dict]:
   return groups, first_task
 
 
-def _task_kinds(groups: dict, first_task: dict, reads, produces, store_of
+def _task_kinds(groups: dict, first_task: dict, reads, produces, store_of, regrouped: set
                 ) -> tuple[list, list, dict]:
   """Kinds: per sequence of steps, the values read from stores (not made by a step
-  before) and written to them (read by another group in some tick; values nobody reads
-  are not written). Returns (kinds, per kind its first (tick, rank, task index), and
+  before) and written to them (read by another group in some tick, or `regrouped`;
+  values nobody reads are not written). Returns (kinds, per kind its first (tick, rank, task index), and
   per (tick, rank, slot) its `_Group`)."""
   readers: dict[Hashable, set] = {}   # key -> the groups that read it
   for g, ts in groups.items():
@@ -288,7 +329,7 @@ def _task_kinds(groups: dict, first_task: dict, reads, produces, store_of
     out = outside.setdefault(steps, set())
     for i, t in enumerate(ts):
       for n, k in enumerate(produces(t)):
-        if readers.get(k, set()) - {g}:
+        if readers.get(k, set()) - {g} or k in regrouped:
           out.add((i, n))
   kind_list = []
   for steps in sorted(shapes, key=str):
@@ -309,40 +350,72 @@ def _task_kinds(groups: dict, first_task: dict, reads, produces, store_of
   return kind_list, first, task
 
 
-def _value_lives(task: dict, n_slots: int, store_of) -> tuple[dict, dict, dict]:
-  """When each value is made and last read on each rank that holds it, and the sends
-  between ranks. Slot s of tick t runs at 2 (t S + s); a tick's rounds read what they
-  send and write what they receive as it ends, at 2 (t S + S - 1) + 1. Returns ((key,
-  rank) -> `_Life`, (key, rank) -> last read time, (tick, src, dst) -> keys)."""
-  def at(ti: int, s: int) -> int:
-    return 2 * (ti * n_slots + s)
+# Times: slot s of tick t runs at _AT * (t S + s); the regroups after it at that time
+# plus 1 + their level; a tick's rounds read what they send and write what they receive
+# as it ends, at the time of its last slot plus _AT - 1.
+_AT = 8
 
-  made: dict[Hashable, tuple[int, int, int]] = {}  # key -> (rank, tick, slot)
+
+def _value_lives(task: dict, n_slots: int, store_of, derived: dict
+                 ) -> tuple[dict, dict, dict, dict]:
+  """When each value is made and last read on each rank that holds it, the sends between
+  ranks and the regroups. Returns ((key, rank) -> `_Life`, (key, rank) -> last read
+  time, (tick, src, dst) -> keys, (tick, rank, slot) -> [(level, source key, key)])."""
+  def at(ti: int, s: int) -> int:
+    return _AT * (ti * n_slots + s)
+
+  made: dict[Hashable, tuple[int, int, int]] = {}  # key -> (rank, tick, time)
   used: dict[tuple[Hashable, int], int] = {}       # (key, rank) -> last read time
   first_read: dict[tuple[Hashable, int], int] = {} # (key, rank) -> first read time
+
+  def read_at(k, rank, time):
+    used[(k, rank)] = max(used.get((k, rank), time), time)
+    first_read[(k, rank)] = min(first_read.get((k, rank), time), time)
+
   for (ti, rank, s), group in sorted(task.items(), key=lambda x: x[0]):
     for k in group.reads:
-      used[(k, rank)] = max(used.get((k, rank), at(ti, s)), at(ti, s))
-      first_read[(k, rank)] = min(first_read.get((k, rank), at(ti, s)), at(ti, s))
+      read_at(k, rank, at(ti, s))
     for k in group.writes:
-      made[k] = (rank, ti, s)
+      made[k] = (rank, ti, at(ti, s))
+  regroups: dict[tuple[int, int, int], list] = {}
+  level: dict[Hashable, int] = {}
+
+  def place(key):
+    """Regroups `key` on its source's rank, right after the source is made."""
+    if key in made:
+      return
+    src = derived.get(key)
+    if src is None:
+      raise ValueError(f"value {key} is read but no task makes it")
+    place(src)
+    rank, ti, t = made[src]
+    lvl = level[src] + 1 if src in level else 0
+    if lvl >= _AT - 2:
+      raise ValueError(f"value {key} is regrouped {lvl + 1} times in one slot")
+    slot_time = t - t % _AT
+    made[key], level[key] = (rank, ti, slot_time + 1 + lvl), lvl
+    read_at(src, rank, slot_time + 1 + lvl)
+    regroups.setdefault((ti, rank, slot_time // _AT - ti * n_slots), []).append((lvl, src, key))
+
+  for key in derived:
+    place(key)
   lives: dict[tuple[Hashable, int], _Life] = {}
   sends: dict[tuple[int, int, int], list] = {}  # (tick, src, dst) -> keys
-  for k, (rank, ti, s) in made.items():
-    lives[(k, rank)] = _Life(k, store_of(k), at(ti, s), used.get((k, rank), at(ti, s)))
+  for k, (rank, ti, t) in made.items():
+    lives[(k, rank)] = _Life(k, store_of(k), t, used.get((k, rank), t))
   readers_of: dict[Hashable, list[int]] = {}
   for (k, r) in used:
     readers_of.setdefault(k, []).append(r)
   for k, rs in readers_of.items():
     if k not in made:
       raise ValueError(f"value {k} is read but no task makes it")
-    src, ti, s = made[k]
+    src, ti, t = made[k]
     for r in sorted(set(rs)):
       if r == src:
-        if first_read[(k, r)] <= at(ti, s):
+        if first_read[(k, r)] <= t:
           raise ValueError(f"value {k} is read on rank {r} before it is made")
         continue
-      arrive = at(ti, n_slots - 1) + 1
+      arrive = at(ti, n_slots - 1) + _AT - 1
       if first_read[(k, r)] <= arrive:
         raise ValueError(f"value {k} is read on rank {r} in the tick it is made on rank {src}"
                          if first_read[(k, r)] >= at(ti, 0) else
@@ -351,7 +424,7 @@ def _value_lives(task: dict, n_slots: int, store_of) -> tuple[dict, dict, dict]:
       # The sender's row stays until its round reads it, as the tick ends.
       lives[(k, src)].end = max(lives[(k, src)].end, arrive)
       lives[(k, r)] = _Life(k, store_of(k), arrive, used[(k, r)])
-  return lives, used, sends
+  return lives, used, sends, regroups
 
 
 def _assign_rows(lives: dict, used: dict, n_ranks: int, n_stores: int) -> list[int]:
@@ -422,3 +495,27 @@ def _exchange_rounds(sends: dict, stores: tuple, n_it: int, n_ranks: int, store_
         send_rows[ti, a, j, n] = row(k, a)
         recv_rows[ti, b, j, n] = row(k, b)
   return rounds, send_rows, recv_rows
+
+
+def _regroup_arrays(regroups: dict, stores: tuple, n_it: int, n_ranks: int, n_slots: int,
+                    store_of, row) -> tuple[tuple, np.ndarray]:
+  """The regroup positions every slot runs (per level and pair of stores, as many as
+  any slot needs, lower levels first) and per (tick, rank, slot, position) the rows
+  they read and write (scratch rows where a slot has none there)."""
+  need: dict[tuple[int, int, int], int] = {}
+  for items in regroups.values():
+    count = collections.Counter((lvl, store_of(src), store_of(key)) for lvl, src, key in items)
+    for pos, n in count.items():
+      need[pos] = max(need.get(pos, 0), n)
+  positions = tuple(Regroup(*pos) for pos in sorted(need) for _ in range(need[pos]))
+  rows = np.zeros((n_it, n_ranks, n_slots, max(len(positions), 1), 2), np.int32)
+  for n, g in enumerate(positions):
+    rows[:, :, :, n] = (stores[g.source].scratch, stores[g.target].scratch)
+  for (ti, rank, s), items in regroups.items():
+    taken: set[int] = set()
+    for lvl, src, key in items:
+      n = next(n for n, g in enumerate(positions) if n not in taken and
+               (g.level, g.source, g.target) == (lvl, store_of(src), store_of(key)))
+      taken.add(n)
+      rows[ti, rank, s, n] = (row(src, rank), row(key, rank))
+  return positions, rows

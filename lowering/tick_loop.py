@@ -11,9 +11,12 @@ so on GPUs it runs as one CUDA graph. The compiled program's size does not grow 
 the number of microbatches, ticks or tasks per tick: warm-up and cool-down are
 iterations like the others.
 
-Collectives inside a branch (EP's all-to-all, ZeRO-3's all-gather where the loop is
-asked for without its layout gathering at the step's start) run over groups of devices
-that share a pipeline rank, which take the same branch in every tick.
+After each slot's switch come the table's regroups: expert parallel's all-to-alls, on
+every device, on rows of the stores (scratch rows where the slot made nothing to
+regroup), so that no branch holds them. Collectives left inside a branch (tensor
+parallel's all-reduces, ZeRO 2/3's per-backward reduce-scatters without a pipeline) run
+over groups of devices that share a pipeline rank, which take the same branch in every
+tick.
 """
 
 from __future__ import annotations
@@ -77,6 +80,20 @@ def _written(stores: list, values) -> list:
   return stores
 
 
+def straight_period(table: ScheduleTable) -> int | None:
+  """For a table of one rank: the length of the shortest sequence of slots' kinds that
+  its slots repeat, if they repeat it at least twice and no kind runs more than twice in
+  it (one microbatch's F and B of each region: gradient accumulation), else None
+  (stages sharing the device, whose warm-up and cool-down would be written out)."""
+  if table.code.shape[1] != 1:
+    return None
+  seq = table.code[:, 0].reshape(-1)
+  for p in range(1, min(len(seq) // 2, 2 * len(table.kinds) + table.n_slots) + 1):
+    if len(seq) % p == 0 and (seq.reshape(-1, p) == seq[:p]).all():
+      return p
+  return None
+
+
 class TickLoop:
   """Lowers `prog`'s plan as one `lax.fori_loop` over its ticks."""
 
@@ -84,7 +101,7 @@ class TickLoop:
     self.prog = prog
     self.table: ScheduleTable = build_table(
         prog.plan.ticks, prog.task_reads, prog.task_produces,
-        lambda key: signature(prog.value_aval(key)))
+        lambda key: signature(prog.value_aval(key)), prog.made_from)
     # Per kind: its tasks in one occurrence, with microbatch 0 (the branch finds a
     # value's position in the table's rows by its key).
     self._tasks: list[list] = []
@@ -99,7 +116,9 @@ class TickLoop:
         most[st] = max(most.get(st, 0), kind.writes.count(st))
     self.positions: list[tuple[int, int]] = [(st, n) for st in sorted(most)
                                              for n in range(most[st])]
-    self.write_after = bool(prog.options.write_stores_after_switch)
+    self.period = straight_period(self.table)
+    # Without a switch, branches write the stores in place.
+    self.write_after = bool(prog.options.write_stores_after_switch) and self.period is None
 
   # -- the branches ---------------------------------------------------------
 
@@ -169,6 +188,39 @@ class TickLoop:
       return self._slot_out([], dict(ops["acc"]), dict(ops["split_acc"]), ops["loss"])
     return LoopCarry(ops["stores"], ops["acc"], ops["split_acc"], ops["loss"])
 
+  def _run_straight(self, branches, params, batch, carry: LoopCarry) -> LoopCarry:
+    """One rank whose slots repeat a short sequence of kinds (gradient accumulation):
+    a loop over the repeats whose body runs that sequence's branches one after the
+    other, with no switch, so that collectives inside tasks (ZeRO 2/3's, tensor
+    parallel's) sit in the loop's body."""
+    table, p = self.table, self.period
+    flat = lambda a: jnp.asarray(a[:, 0].reshape((-1,) + a.shape[3:]))  # [tick * slot, ...]
+    mb, read_rows, write_rows, regroup_rows = (
+        flat(a) for a in (table.mb, table.read_rows, table.write_rows, table.regroup_rows))
+    seq = table.code[:, 0].reshape(-1)
+
+    def repeat(i, c: LoopCarry) -> LoopCarry:
+      for j, code in enumerate(seq[:p]):
+        f = i * p + j
+        if code:
+          c = branches[code]({"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc,
+                              "loss": c.loss, "params": params, "batch": batch, "mb": mb[f],
+                              "read_rows": read_rows[f], "write_rows": write_rows[f]})
+        c = self._regroup(c, regroup_rows[f])
+      return c
+
+    return lax.fori_loop(0, len(seq) // p, repeat, carry)
+
+  def _regroup(self, c: LoopCarry, rows) -> LoopCarry:
+    """The table's regroups after a slot, in order, on the stores' rows `rows` gives."""
+    stores = list(c.stores)
+    for n, g in enumerate(self.table.regroups):
+      x = lax.dynamic_index_in_dim(stores[g.source], rows[n, 0], 0, keepdims=False)
+      target = stores[g.target]
+      y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape[1:], target.dtype))
+      stores[g.target] = lax.dynamic_update_index_in_dim(target, y, rows[n, 1], 0)
+    return LoopCarry(stores, c.acc, c.split_acc, c.loss)
+
   # -- the loop -------------------------------------------------------------
 
   def run(self, params: dict, batch: list, acc: dict, split_acc: dict,
@@ -176,11 +228,13 @@ class TickLoop:
     """All ticks of the plan from the given gradient sums and loss (sums of every
     position the step adds to must be present)."""
     table = self.table
-    code, mb, read_rows, write_rows, send_rows, recv_rows = (
+    code, mb, read_rows, write_rows, send_rows, recv_rows, regroup_rows = (
         jnp.asarray(x) for x in (table.code, table.mb, table.read_rows, table.write_rows,
-                                 table.send_rows, table.recv_rows))
+                                 table.send_rows, table.recv_rows, table.regroup_rows))
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
     stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
+    if self.period is not None:
+      return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
     rank = lax.axis_index("pp")
 
     def tick(i, c: LoopCarry) -> LoopCarry:
@@ -189,11 +243,11 @@ class TickLoop:
                "params": params, "batch": batch, "mb": mb[i, rank, s],
                "read_rows": read_rows[i, rank, s], "write_rows": write_rows[i, rank, s]}
         out = lax.switch(code[i, rank, s], branches, ops)
-        if not self.write_after:
-          return out
-        stores = _written(c.stores, [(st, out.values[p], out.rows[p])
-                                     for p, (st, _) in enumerate(self.positions)])
-        return LoopCarry(stores, out.acc, out.split_acc, out.loss)
+        if self.write_after:
+          out = LoopCarry(_written(c.stores, [(st, out.values[p], out.rows[p])
+                                              for p, (st, _) in enumerate(self.positions)]),
+                          out.acc, out.split_acc, out.loss)
+        return self._regroup(out, regroup_rows[i, rank, s])
 
       c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
       got = [lax.ppermute([lax.dynamic_index_in_dim(c.stores[st], send_rows[i, rank, j, n], 0,

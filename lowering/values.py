@@ -16,6 +16,13 @@ class ValueKind(str, enum.Enum):
   RES = "res"    # residual `index` a region's F stores for its B
   CT = "ct"      # cotangent of a region's input `index`, made by its B or BI
   WRES = "wres"  # value `index` a region's BI leaves for its BW
+  # Expert parallel: what its all-to-all regroups. An expert-parallel region reads ACT
+  # and CT values in its experts' layout (the devices that hold each expert), and makes
+  # them in that layout before they go back to the devices their tokens came from.
+  ACT_TO_EP = "act>ep"    # ACT `index` of `region`, regrouped by expert
+  CT_TO_EP = "ct>ep"      # CT `index` of `region`, regrouped by expert
+  ACT_FROM_EP = "act<ep"  # output `index` of expert-parallel `region`'s F, by expert
+  CT_FROM_EP = "ct<ep"    # its B's cotangent of input `index`, by expert
 
 
 @dataclasses.dataclass(frozen=True, order=True, repr=False)
@@ -31,6 +38,9 @@ class ValueKey:
     return f"{self.kind.value}:r{self.region}:mb{self.mb}:{self.index}"
 
   __repr__ = __str__  # tables print hundreds of keys
+
+  def as_kind(self, kind: ValueKind) -> "ValueKey":
+    return dataclasses.replace(self, kind=kind)
 
 
 @dataclasses.dataclass(frozen=True, order=True, repr=False)

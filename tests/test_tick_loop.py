@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import piper_jax as pj
-from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch
+from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch, tp_gpt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -195,30 +195,50 @@ def _collectives_in_conditionals(hlo: str) -> list[str]:
     (pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=1), 4),
     (pj.strategies.pipeline(2, 4, "zb", dp=2, zero=3), 4),
     ([pj.split(4)] + pj.strategies.data_parallel(2, zero=1), 2),
-], ids=["1f1b-dp2-zero1", "zb-dp2-zero3", "accumulation-dp2-zero1"])
+    ([pj.split(4)] + pj.strategies.data_parallel(2, zero=2), 2),
+    ([pj.split(4)] + pj.strategies.data_parallel(2, zero=3), 2),
+], ids=["1f1b-dp2-zero1", "zb-dp2-zero3", "accumulation-dp2-zero1", "accumulation-dp2-zero2",
+        "accumulation-dp2-zero3"])
 def test_no_collective_inside_the_loops_conditionals(directives, n_devices):
   # The loop's branches hold no collective: ranks meet in the exchange rounds after
   # the slots, gradients are reduced after the loop, a pipeline's ZeRO-3 gathers as the
-  # step starts. (Expert and tensor parallel tasks, and ZeRO 2/3 accumulation without a
-  # pipeline, still run theirs inside the branches.)
+  # step starts; accumulation on one rank has no switch at all, so ZeRO 2/3's gathers
+  # and per-backward reduce-scatters sit in the loop's body.
   params, batch = _inputs(2, n_devices)
   step = pj.compile(mlp_loss(2), optax.sgd(0.1), directives, params, batch,
                     devices=jax.devices()[:n_devices])
   hlo = step.lower(step.init(params), batch).compile().as_text()
-  assert step.tick_loop and " conditional(" in hlo
+  assert step.tick_loop and (" conditional(" in hlo) == (step._program.tick_loop.period is None)
   assert _collectives_in_conditionals(hlo) == []
   assert re.search(r"\b(all-reduce|reduce-scatter|collective-permute)(-start)?\(", hlo)
 
 
-def test_an_expert_parallel_pipelines_all_to_alls_are_inside_its_conditionals(batches_of):
-  # What is left to move out of the switch (onto fixed-shape buffers).
-  from test_parallel import _moe
-  config, loss, params = _moe(2)
+def test_accumulation_with_experts_or_tensors_split_has_no_switch(batches_of):
+  # One rank: the loop's body runs one microbatch's passes one after the other, its
+  # all-to-alls and all-reduces with them.
+  for model, shard in ((moe_gpt, pj.shard({"EP": "*"}, [0, 1])),
+                       (tp_gpt, pj.shard_tensor({}, [0, 1]))):
+    config, loss, params = model(1)
+    batches_of(config)
+    directives = [pj.split(2), pj.replicate({}, [0, 1, 2, 3], zero=3), shard]
+    step, state = assert_same_run(loss, params, directives, batch_size=16, tx=MOE_TX)
+    assert step._program.tick_loop.period is not None
+    import models
+    hlo = step.lower(state, models.random_batch(jax.random.PRNGKey(0), 16)).compile().as_text()
+    assert _collectives_in_conditionals(hlo) == [], model
+
+
+@pytest.mark.parametrize("schedule,n_stages", [("1f1b", 2), ("dualpipev", 4)])
+def test_an_expert_parallel_pipelines_all_to_alls_run_outside_its_conditionals(
+    batches_of, schedule, n_stages):
+  # They run after each slot's switch, on rows of the stores (`Regroup`).
+  config, loss, params = moe_gpt(n_stages)
   batches_of(config)
   from examples import gpt
-  directives = pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1)
+  directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=2, zero=1)
   directives.append(pj.shard({"EP": "*"}, [0, 2, 1, 3]))
   batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8)
   step = pj.compile(loss, optax.sgd(0.1), directives, params, batch, devices=jax.devices()[:4])
   hlo = step.lower(step.init(params), batch).compile().as_text()
-  assert "all-to-all" in _collectives_in_conditionals(hlo)
+  assert _collectives_in_conditionals(hlo) == []
+  assert re.search(r"\ball-to-all(-start)?\(", hlo)

@@ -50,10 +50,12 @@ def signature(key):
           "wres": ((2,), "bfloat16")}[key[0]]
 
 
-def execute(table, ticks, reads=reads):
+def execute(table, ticks, reads=reads, produces=produces, made_from=lambda key: None):
   """Runs the table with value labels in place of arrays, as `TickLoop` runs it; asserts
   every read, that values passed inside a slot's kind are made before they are read,
-  and that every task of `ticks` runs once, in its tick's order."""
+  and that every task of `ticks` runs once, in its tick's order. A regroup turns the
+  label of its source into the label of the value made from it."""
+  regrouped = {}
   n_ranks = table.code.shape[1]
   stores = [[[None] * (s.depth + 1) for s in table.stores] for _ in range(n_ranks)]
   ran = []
@@ -64,26 +66,14 @@ def execute(table, ticks, reads=reads):
       done = 0
       for s in range(table.n_slots):
         kind = table.slot_of(ti, rank, s)
-        if kind is None:
-          continue
-        ts = ticks[ti][rank][done:done + len(kind.steps)]
-        done += len(ts)
-        assert [(t.region, t.pass_, t.mb) for t in ts] == [
-            (r, p, table.mb[ti, rank, s]) for r, p in kind.steps]
-        local = {}
-        for j, t in enumerate(ts):
-          ran.append((ti, rank, t))
-          for n, key in enumerate(reads(t)):
-            if (j, n) in kind.read_at:
-              x = kind.read_at.index((j, n))
-              have = stores[rank][kind.reads[x]][table.read_rows[ti, rank, s, x]]
-            else:
-              have = local.get(key)
-            assert have == key, (ti, rank, t, key, have)
-          local.update((key, key) for key in produces(t))
-        for x, (j, n) in enumerate(kind.write_at):
-          key = produces(ts[j])[n]
-          stores[rank][kind.writes[x]][table.write_rows[ti, rank, s, x]] = key
+        if kind is not None:
+          done += _run_slot(table, ticks[ti][rank][done:], kind, stores[rank], (ti, rank, s),
+                            ran, reads, produces)
+        for n, g in enumerate(table.regroups):
+          src, dst = table.regroup_rows[ti, rank, s, n]
+          x = stores[rank][g.source][src]
+          stores[rank][g.target][dst] = regrouped.setdefault(x, next(
+              (k for k in _all_keys(ticks, reads, made_from) if made_from(k) == x), None))
       assert done == len(ticks[ti][rank])
     for j, rnd in enumerate(table.rounds):
       got[j] = {a: [stores[a][st][table.send_rows[ti, a, j, n]]
@@ -94,6 +84,38 @@ def execute(table, ticks, reads=reads):
           stores[b][st][table.recv_rows[ti, b, j, n]] = got[j][a][n]
   assert sorted(ran, key=str) == sorted(((ti, r, t) for ti, tick in enumerate(ticks)
                                          for r, ts in enumerate(tick) for t in ts), key=str)
+
+
+def _all_keys(ticks, reads, made_from):
+  """Every key read, and those they are regrouped from."""
+  keys = {k for tick in ticks for ts in tick for t in ts for k in reads(t)}
+  while True:
+    more = {made_from(k) for k in keys} - {None} - keys
+    if not more:
+      return keys
+    keys |= more
+
+
+def _run_slot(table, tasks, kind, stores, at, ran, reads, produces) -> int:
+  """Runs one slot's kind on a rank's stores; returns how many tasks it ran."""
+  ti, rank, s = at
+  ts = tasks[:len(kind.steps)]
+  assert [(t.region, t.pass_, t.mb) for t in ts] == [
+      (r, p, table.mb[ti, rank, s]) for r, p in kind.steps]
+  local = {}
+  for j, t in enumerate(ts):
+    ran.append((ti, rank, t))
+    for n, key in enumerate(reads(t)):
+      if (j, n) in kind.read_at:
+        x = kind.read_at.index((j, n))
+        have = stores[kind.reads[x]][table.read_rows[ti, rank, s, x]]
+      else:
+        have = local.get(key)
+      assert have == key, (ti, rank, t, key, have)
+    local.update((key, key) for key in produces(t))
+  for x, (j, n) in enumerate(kind.write_at):
+    stores[kind.writes[x]][table.write_rows[ti, rank, s, x]] = produces(ts[j])[n]
+  return len(ts)
 
 
 def one_f_one_b(n_ranks, n_mb):
@@ -196,7 +218,7 @@ def test_ranks_meet_once_a_tick_whatever_its_tasks():
          [[T(0, B, 2)], []]]
   two_regions = lambda t: [k for k in reads(t) if k[:2] != ("ct", 2)]
   table = build_table(two, two_regions, produces, signature)
-  execute(table, two, two_regions)
+  execute(table, two, reads=two_regions)
   assert table.n_iterations == len(two) and table.n_slots == 2
   assert [r.perm for r in table.rounds] == [((0, 1), (1, 0))]
   # The last stage's F and B of one microbatch are one kind: its residual stays in the
@@ -220,3 +242,60 @@ def test_a_value_read_before_it_is_made_is_refused():
   ticks = [[[T(1, Pass.F, 0)], [T(0, Pass.F, 0)]]]
   with pytest.raises(ValueError, match="in the tick it is made|before it is made"):
     build_table(ticks, reads, produces, signature)
+
+
+# Region 1 is expert parallel: its F reads region 0's activation regrouped to the
+# devices of its experts and makes its output before it is regrouped back ("<"); its B
+# reads region 2's cotangent regrouped likewise.
+EP = 1
+
+
+def ep_reads(t):
+  out = []
+  for k in reads(t):
+    if t.region == EP and k[0] in ("act", "ct"):
+      k = (k[0] + ">",) + k[1:]
+    out.append(k)
+  return out
+
+
+def ep_produces(t):
+  return [(k[0] + "<",) + k[1:] if t.region == EP and k[0] in ("act", "ct") else k
+          for k in produces(t)]
+
+
+def ep_made_from(key):
+  if key[0].endswith(">"):
+    return (key[0][:-1],) + key[1:]
+  if key[0] in ("act", "ct") and key[1] == EP:
+    return (key[0] + "<",) + key[1:]
+  return None
+
+
+def ep_signature(key):
+  return ((2, 2), "float32") if key[0][-1] in "<>" else signature(key)
+
+
+@pytest.mark.parametrize("ticks", [one_f_one_b(N_REGIONS, 4),
+                                   [[[T(r, Pass.F, m) for r in range(4)]
+                                     + [T(r, Pass.B, m) for r in reversed(range(4))]]
+                                    for m in range(3)]], ids=["1f1b-4-ranks", "one-rank"])
+def test_regrouped_values_are_made_after_the_slot_that_makes_their_source(ticks):
+  table = build_table(ticks, ep_reads, ep_produces, ep_signature, ep_made_from)
+  execute(table, ticks, ep_reads, ep_produces, ep_made_from)
+  # Both directions: into region 1's layout after the slot that made its input, and
+  # back after its own slot; at most one of each a slot.
+  local = table.stores.index(next(s for s in table.stores if s.shape == (2, 2)))
+  plain = table.stores.index(next(s for s in table.stores if s.shape == (4,)))
+  assert sorted((g.source, g.target) for g in table.regroups) == sorted(
+      [(plain, local), (local, plain)])
+  assert all(g.level == 0 for g in table.regroups)
+  # No kind runs region 1 together with another region: the collectives sit between.
+  assert all(all(r != EP for r, _ in k.steps) or {r for r, _ in k.steps} == {EP}
+             for k in table.kinds)
+
+
+def test_a_value_regrouped_from_a_value_nobody_makes_is_refused():
+  ticks = [[[T(1, Pass.F, 0)]]]
+  with pytest.raises(ValueError, match="no task makes it"):
+    build_table(ticks, ep_reads, ep_produces, ep_signature, ep_made_from)
