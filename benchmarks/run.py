@@ -743,7 +743,8 @@ def main(argv=None):
                        "qwen3-30b-a3b-4gpu)")
   ap.add_argument("--variants", default=",".join(BASELINES + PIPER))
   ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-  ap.add_argument("--microbatches", type=int, default=8)
+  ap.add_argument("--microbatches", type=int, default=None,
+                  help="microbatches of the pipelines (default 8; with --small 2 x --pp, at least 4)")
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
@@ -784,8 +785,10 @@ def main(argv=None):
     model = ("qwen3-moe-tiny" if args.model.startswith("qwen3") and is_moe(args.model)
              else "qwen3-tiny" if args.model.startswith("qwen3")
              else "moe-tiny" if args.model.startswith("moe") else "tiny")
-    args.model, args.batch, args.steps, args.warmup = model, 16, 2, 1
-    args.microbatches = max(4, 2 * args.pp)
+    args.model, args.steps, args.warmup = model, 2, 1
+    args.microbatches = args.microbatches or max(4, 2 * args.pp)
+    args.batch = max(16, args.microbatches * 4)  # a row per microbatch on every device
+  args.microbatches = args.microbatches or 8
   for v in args.variants.split(","):
     base, mods = split_variant(v)
     patterns = (_REGIONS, _LAYERS, _SLOTS)

@@ -117,6 +117,8 @@ class GradientSums:
     """`op(x, ...)` (psum or psum_scatter of gradients over data axes; x an array or a
     tuple), computed in `reduce_dtype` where there is one; the result is cast back to x's
     dtype unless `keep_dtype` is False."""
+    if lax.psum(1, args[0] if args else kwargs["axis_name"]) == 1:
+      return x  # a sum over one device, which XLA would still copy
     dt = self.reduce_dtype
     if dt is None:
       return op(x, *args, **kwargs)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.plan import Plan
-from piper_jax.lowering.options import LoweringOptions
+from piper_jax.lowering.options import SLOT_BYTES, LoweringOptions
 
 __all__ = ["ParamLayout", "Home", "Spread", "match_positions", "signature"]
 
@@ -236,7 +236,8 @@ class ParamLayout:
         packed.append((p, ranks.pop(), group, spec.dtype, spec.size))
       else:
         packed.append((p, None, None, spec.dtype, spec.size))
-    placed, self.n_slots = _fill_slots([x[1:] for x in packed], self.options.slot_bytes)
+    placed, self.n_slots = _fill_slots([x[1:] for x in packed],
+                                             self.options.slot_bytes or SLOT_BYTES)
     for (p, rank, _, dt, size), (slot, off) in zip(packed, placed):
       homes[p] = Home(rank, slot, dt, off, size, model.params[p].shape)
     self.home: list[Home] = [homes[p] for p in range(len(model.params))]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-__all__ = ["LoweringOptions"]
+__all__ = ["LoweringOptions", "SLOT_BYTES"]
+
+
+SLOT_BYTES = 64 << 20  # `LoweringOptions.slot_bytes` where there are reductions to overlap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,9 @@ class LoweringOptions:
       lopsided stages whose state fits anyway.
     slot_bytes: a region's leaves of one dtype fill slots of at most this many bytes,
       each its own buffer, so that one slot's update can run while another's gradients
-      are still being reduced.
+      are still being reduced. None: 64 MiB, or a slot per leaf on one CPU device,
+      where there is no reduction to overlap and XLA's CPU program copies every weight
+      it slices out of a slot (GPU kernels read them in place).
     write_stores_after_switch: the loop's branches return the values they made and the
       rows they go to, written into the stores after the slot's switch, instead of
       returning the stores written in place. None: on CPU only, where XLA gives a switch
@@ -49,23 +54,26 @@ class LoweringOptions:
   cast_weights: bool = True
   shard_masters: bool = True
   spread_uneven_slots: bool = True
-  slot_bytes: int = 64 << 20
+  slot_bytes: int | None = None
   write_stores_after_switch: bool | None = None
   zero3_reshard: bool = True
   compiler_options: Mapping[str, object] | None = None
 
   def __post_init__(self):
-    if self.slot_bytes < 1:
+    if self.slot_bytes is not None and self.slot_bytes < 1:
       raise ValueError(f"slot_bytes must be >= 1, got {self.slot_bytes}")
 
-  def resolved(self, n_pp: int, platform: str) -> "LoweringOptions":
+  def resolved(self, n_pp: int, platform: str, n_devices: int = 2) -> "LoweringOptions":
     """These options with every None decided, for a plan of `n_pp` pipeline ranks on
-    `platform` ("cpu", "gpu"): the one place the defaults are chosen; `pj.compile` and
-    the planner read the result."""
+    `n_devices` devices of `platform` ("cpu", "gpu"): the one place the defaults are
+    chosen; `pj.compile` and the planner read the result."""
     remat = n_pp > 1 if self.remat is None else self.remat
     after = (platform == "cpu" if self.write_stores_after_switch is None
              else self.write_stores_after_switch)
-    return dataclasses.replace(self, remat=remat, write_stores_after_switch=after)
+    slot_bytes = self.slot_bytes or (1 if platform == "cpu" and n_devices == 1 else SLOT_BYTES)
+    return dataclasses.replace(self, remat=remat, write_stores_after_switch=after,
+                               slot_bytes=slot_bytes)
+
 
   def changed(self) -> dict:
     """The options that differ from the defaults, for printing with a plan."""

@@ -131,7 +131,8 @@ class TrainStep:
     self.plan: Plan = plan
     self.batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
     self._traced = traced
-    options = (options or LoweringOptions()).resolved(pm.n_pp, self.devices[0].platform)
+    options = (options or LoweringOptions()).resolved(
+        pm.n_pp, self.devices[0].platform, sum(len(g) for g in pm.groups))
     self.options: LoweringOptions = options
     self._layout = layout = ParamLayout(traced.spec, plan, traced.param_casts(), options)
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}

@@ -212,4 +212,7 @@ def test_accumulation_holds_one_microbatch_like_plain_jax():
     assert step.tick_loop
     piper[k] = step.memory().total
   assert piper[16] < 0.5 * piper[2]  # splitting the batch saves memory
-  assert piper[16] <= 1.25 * _plain_accumulation_bytes(loss_fn, tx, params, batch, 16)
+  # Within 10% of plain accumulation: one microbatch's activations, one gradient sum
+  # (laid out in place), and on one CPU device no weight copied out of a slot.
+  assert step.options.slot_bytes == 1
+  assert piper[16] <= 1.1 * _plain_accumulation_bytes(loss_fn, tx, params, batch, 16)
