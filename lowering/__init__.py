@@ -4,6 +4,7 @@ The layers above (the API modules and the planner) import the lowering through t
 names only, so that its modules can move without touching them.
 """
 
+from piper_jax.lowering.buffers import Buffers
 from piper_jax.lowering.collectives import StepCollective, collectives_table, step_collectives
 from piper_jax.lowering.compat import shard_map_unchecked
 from piper_jax.lowering.layout import ParamLayout
@@ -17,7 +18,7 @@ from piper_jax.lowering.scopes import RESERVED, enter_scope, parse_scope, reset_
 from piper_jax.lowering.trace import TracedLoss, check_leaf, trace_loss
 
 __all__ = [
-    "LoweringOptions", "ParamLayout", "Program", "TracedLoss", "trace_loss", "check_leaf",
+    "Buffers", "LoweringOptions", "ParamLayout", "Program", "TracedLoss", "trace_loss", "check_leaf",
     "lowers_as_loop", "RegionRunner", "SplitAxis", "analyze_region", "region_forward",
     "region_backward", "backward_input", "full_residuals", "split_backward", "StepCollective",
     "collectives_table", "step_collectives", "packed_update_reason", "shard_map_unchecked",

@@ -21,6 +21,7 @@ from jax import lax
 
 from piper_jax.ir.plan import Plan
 from piper_jax.ir.model import ModelSpec
+from piper_jax.lowering.buffers import Buffers
 from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions
 from piper_jax.lowering.regions import RegionAD
 
@@ -233,19 +234,20 @@ class GradientSums:
       segs[key] = lax.dynamic_update_slice(segs[key], leaf, (h.offset,))
     return segs
 
-  def finish(self, segments: dict, bucketed: bool) -> dict:
-    """Reduces the assembled segments once and lays them out like the local parameter
-    buffers; `bucketed`: ZeRO-0's sums were already all-reduced in buckets."""
+  def finish(self, segments: dict, split_acc: dict, bucketed: bool) -> Buffers:
+    """Reduces the assembled segments and the split leaves' sums (`finish_split`) once,
+    laid out like the local parameter buffers; `bucketed`: ZeRO-0's sums were already
+    all-reduced in buckets."""
     layout = self.layout
-    out = {"slots": {}, "shared": {}}
+    slots, shared = {}, {}
     for dt in layout.dtypes:
-      out["slots"][dt] = [self._reduce(segments.get((j, dt)), layout.chunk[(j, dt)], dt,
-                                       bucketed)[None]
-                          for j in layout.slot_ids[dt]]
-      shared = segments.get((SHARED, dt))
-      shared = None if shared is None else lax.psum(shared, "pp")  # tied: summed over ranks
-      out["shared"][dt] = self._reduce(shared, layout.shared_chunk[dt], dt, bucketed)
-    return out
+      slots[dt] = [self._reduce(segments.get((j, dt)), layout.chunk[(j, dt)], dt,
+                                bucketed)[None]
+                   for j in layout.slot_ids[dt]]
+      tied = segments.get((SHARED, dt))
+      tied = None if tied is None else lax.psum(tied, "pp")  # tied: summed over ranks
+      shared[dt] = self._reduce(tied, layout.shared_chunk[dt], dt, bucketed)
+    return Buffers(slots=slots, shared=shared, split=self.finish_split(split_acc))
 
   def _reduce(self, g, chunk: int, dt: str, bucketed: bool) -> jax.Array:
     """A segment's gradient, reduced over "dp" as its ZeRO stage says, as [rows, chunk].

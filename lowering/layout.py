@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from piper_jax.ir.model import ModelSpec
 from piper_jax.ir.plan import Plan
+from piper_jax.lowering.buffers import Buffers
 from piper_jax.lowering.options import SLOT_BYTES, LoweringOptions
 
 __all__ = ["ParamLayout", "Home", "Spread", "match_positions", "signature"]
@@ -144,9 +145,9 @@ class ParamLayout:
   rank i, each of at most `options.slot_bytes`; slots are numbered across ranks in that order
   (leaves read on several ranks go to the SHARED segment that every rank holds). A
   segment is padded to `n_dp * chunk` and stored as `n_dp` chunks, so that ZeRO-3
-  shards it by keeping one chunk per replica. Buffers per dtype: `slots[dtype]`, a
-  list with one [n_pp, n_dp, chunk] array per slot of `slot_ids[dtype]`, and
-  `shared[dtype]`: [n_dp, C_shared].
+  shards it by keeping one chunk per replica. The buffers are a `Buffers`: per dtype,
+  `slots[dtype]`, a list with one [n_pp, n_dp, chunk] array per slot of
+  `slot_ids[dtype]`, and `shared[dtype]`: [n_dp, C_shared].
 
   Stacking pads each rank's part of a slot to the largest rank's: a pipeline whose
   first stage holds a large embedding would give every rank that many bytes of
@@ -330,17 +331,16 @@ class ParamLayout:
       return (self.n_devices, self.spread[(j, dt)].size // self.n_devices)
     return (self.n_pp, self.n_dp, self.chunk[(j, dt)])
 
-  def shapes(self, working: bool = False) -> dict:
+  def shapes(self, working: bool = False) -> Buffers:
     """The buffers' shapes as stored (`working`: as the step's body reads them)."""
-    return {
-        "slots": {dt: [jax.ShapeDtypeStruct(self._slot_shape(j, dt, working), jnp.dtype(dt))
-                       for j in self.slot_ids[dt]]
-                  for dt in self.dtypes},
-        "shared": {dt: jax.ShapeDtypeStruct((self.n_dp, self.shared_chunk[dt]), jnp.dtype(dt))
-                   for dt in self.dtypes},
-        "split": [jax.ShapeDtypeStruct((self.n_pp, self.group_size[k]) + shape, jnp.dtype(dt))
-                  for shape, dt, k in self.split_positions],
-    }
+    return Buffers(
+        slots={dt: [jax.ShapeDtypeStruct(self._slot_shape(j, dt, working), jnp.dtype(dt))
+                    for j in self.slot_ids[dt]]
+               for dt in self.dtypes},
+        shared={dt: jax.ShapeDtypeStruct((self.n_dp, self.shared_chunk[dt]), jnp.dtype(dt))
+                for dt in self.dtypes},
+        split=[jax.ShapeDtypeStruct((self.n_pp, self.group_size[k]) + shape, jnp.dtype(dt))
+               for shape, dt, k in self.split_positions])
 
   def split_zero_dim(self, pos: int) -> int | None:
     """The dimension of split position `pos`'s piece that ZeRO shards over its copies
@@ -351,7 +351,7 @@ class ParamLayout:
       return None
     return next((d for d, n in enumerate(shape) if n % copies == 0), None)
 
-  def specs(self, sharded: bool, split_sharded: bool = False, working: bool = False) -> dict:
+  def specs(self, sharded: bool, split_sharded: bool = False, working: bool = False) -> Buffers:
     """PartitionSpecs of the buffers: chunks sharded over the data axes when `sharded`
     (ZeRO); split leaves' pieces over their group's axis ("ep" or "tp"), and over
     their copies too when `split_sharded` (ZeRO's sharding of their gradients and
@@ -367,9 +367,8 @@ class ParamLayout:
       split.append(P("pp", kind, *dims))
     slot = lambda j, dt: (P(self.all_axes, None) if not working and (j, dt) in self.spread
                           else P("pp", dp, None))
-    return {"slots": {dt: [slot(j, dt) for j in self.slot_ids[dt]] for dt in self.dtypes},
-            "shared": {dt: P(dp, None) for dt in self.dtypes},
-            "split": split}
+    return Buffers(slots={dt: [slot(j, dt) for j in self.slot_ids[dt]] for dt in self.dtypes},
+                   shared={dt: P(dp, None) for dt in self.dtypes}, split=split)
 
   # -- packing --------------------------------------------------------------
 
@@ -392,7 +391,7 @@ class ParamLayout:
       return flat.reshape(self.n_devices, -1)
     return jnp.stack([self._segment(leaves, rank, j, dt) for rank in range(self.n_pp)])
 
-  def pack(self, leaves: Sequence[jax.Array]) -> dict:
+  def pack(self, leaves: Sequence[jax.Array]) -> Buffers:
     """Parameter leaves (in pytree order) -> the buffers of `shapes()`."""
     leaves = [jnp.asarray(x) for x in leaves]
     slots, shared = {}, {}
@@ -407,28 +406,28 @@ class ParamLayout:
         if q == pos:
           rows[self.home[p].rank] = _pieces(leaves[p], self.split[p], n)
       split.append(jnp.stack(rows))
-    return {"slots": slots, "shared": shared, "split": split}
+    return Buffers(slots=slots, shared=shared, split=split)
 
-  def unpack(self, buffers: dict) -> list[jax.Array]:
+  def unpack(self, buffers: Buffers) -> list[jax.Array]:
     """The buffers of `pack` -> parameter leaves in pytree order."""
     out = []
     for p, h in enumerate(self.home):
       if h.slot == SPLIT:
-        out.append(_whole(buffers["split"][self.split_pos[p]][h.rank], self.split[p]))
+        out.append(_whole(buffers.split[self.split_pos[p]][h.rank], self.split[p]))
         continue
       if h.slot == SHARED:
-        seg = buffers["shared"][h.dtype].reshape(-1)
+        seg = buffers.shared[h.dtype].reshape(-1)
       elif h.size == 0:
         seg = jnp.zeros((0,), jnp.dtype(h.dtype))
       elif (h.slot, h.dtype) in self.spread:
-        flat = buffers["slots"][h.dtype][self._index[(h.slot, h.dtype)]]
+        flat = buffers.slots[h.dtype][self._index[(h.slot, h.dtype)]]
         seg = flat.reshape(-1)[self.spread[(h.slot, h.dtype)].offset(h.rank):]
       else:
-        seg = buffers["slots"][h.dtype][self._index[(h.slot, h.dtype)]][h.rank].reshape(-1)
+        seg = buffers.slots[h.dtype][self._index[(h.slot, h.dtype)]][h.rank].reshape(-1)
       out.append(seg[h.offset:h.offset + h.size].reshape(h.shape))
     return out
 
-  def to_working(self, buffers: dict) -> dict:
+  def to_working(self, buffers: Buffers) -> Buffers:
     """Stored buffers -> the stacked layout the step's body reads: each spread slot's
     ranks' parts as the rows of a [n_pp, n_dp, chunk] array (outside shard_map: XLA
     moves the pieces)."""
@@ -439,7 +438,7 @@ class ParamLayout:
                         for r in range(self.n_pp)])
     return self._map_spread(buffers, rows)
 
-  def from_working(self, buffers: dict) -> dict:
+  def from_working(self, buffers: Buffers) -> Buffers:
     """The inverse of `to_working` (the step's gradients -> the stored layout)."""
     def flat(x, j, dt):
       sp = self.spread[(j, dt)]
@@ -447,28 +446,28 @@ class ParamLayout:
       return jnp.pad(parts, (0, sp.size - parts.shape[0])).reshape(self.n_devices, -1)
     return self._map_spread(buffers, flat)
 
-  def _map_spread(self, buffers: dict, fn) -> dict:
+  def _map_spread(self, buffers: Buffers, fn) -> Buffers:
     if not self.spread:
       return buffers
     slots = {dt: [fn(x, j, dt) if (j, dt) in self.spread else x
                   for j, x in zip(self.slot_ids[dt], xs)]
-             for dt, xs in buffers["slots"].items()}
-    return dict(buffers, slots=slots)
+             for dt, xs in buffers.slots.items()}
+    return buffers.replace(slots=slots)
 
   # -- inside shard_map -----------------------------------------------------
 
-  def local_segment(self, local: dict, slot: int, dt: str) -> jax.Array:
+  def local_segment(self, local: Buffers, slot: int, dt: str) -> jax.Array:
     """What this device's buffers hold of a (slot, dtype) segment, flat: the whole
     segment under ZeRO 0-2, this replica's chunk of it under ZeRO-3."""
     if slot == SHARED:
-      return local["shared"][dt].reshape(-1)
+      return local.shared[dt].reshape(-1)
     if (slot, dt) not in self._index:  # only empty leaves
       return jnp.zeros((0,), jnp.dtype(dt))
-    return local["slots"][dt][self._index[(slot, dt)]][0].reshape(-1)
+    return local.slots[dt][self._index[(slot, dt)]][0].reshape(-1)
 
-  def local_piece(self, local: dict, p: int) -> jax.Array:
-    """This device's piece of split leaf `p`."""
-    return local["split"][self.split_pos[p]][0, 0]
+  def local_piece(self, split: list, p: int) -> jax.Array:
+    """This device's piece of split leaf `p`, from the `Buffers.split` pieces."""
+    return split[self.split_pos[p]][0, 0]
 
   def gather_piece(self, x: jax.Array, pos: int) -> jax.Array:
     """Split position `pos`'s [1, 1, *piece] buffer, sharded over its copies by ZeRO
@@ -478,23 +477,23 @@ class ParamLayout:
       return x
     return lax.all_gather(x, self.copies[self.split_positions[pos][2]][0], axis=2 + d, tiled=True)
 
-  def gather_masters(self, local: dict) -> dict:
+  def gather_masters(self, local: Buffers) -> Buffers:
     """Under `shards_masters`: this replica's shards of the parameters -> the whole
     buffers, slots of cast leaves cast before they are all-gathered (bf16 on the wire)."""
     dp = self.data_axes
     slots = {dt: [lax.all_gather(x.astype(self.cast_to[dt]) if (j, dt) in self.cast_slots else x,
                                  dp, axis=1, tiled=True)
                   for j, x in zip(self.slot_ids[dt], xs)]
-             for dt, xs in local["slots"].items()}
-    split = [self.gather_piece(x, pos) for pos, x in enumerate(local["split"])]
-    return {"slots": slots, "split": split,
-            "shared": {dt: lax.all_gather(x, dp, axis=0, tiled=True)
-                       for dt, x in local["shared"].items()}}
+             for dt, xs in local.slots.items()}
+    split = [self.gather_piece(x, pos) for pos, x in enumerate(local.split)]
+    return Buffers(slots=slots, split=split,
+                   shared={dt: lax.all_gather(x, dp, axis=0, tiled=True)
+                           for dt, x in local.shared.items()})
 
   def leaf(self, segment: jax.Array, h: Home) -> jax.Array:
     return segment[h.offset:h.offset + h.size].reshape(h.shape)
 
-  def unpack_cast(self, local: dict) -> list[jax.Array]:
+  def unpack_cast(self, local: Buffers) -> list[jax.Array]:
     """This rank's cast leaves (`unpacked_pos`), flat, sliced from its local buffers
     (whole segments) and cast; positions of other ranks' leaves hold zeros."""
     def rank_leaves(rank):
@@ -509,7 +508,7 @@ class ParamLayout:
                 for x, (shape, dt) in zip(out, self.unpacked_positions)]
       return run
 
-    local = {"slots": local["slots"], "shared": local["shared"]}
+    local = local.replace(split=[])
     return lax.switch(lax.axis_index("pp"), [rank_leaves(r) for r in range(self.n_pp)], local)
 
   def unpacked_leaf(self, leaves: list[jax.Array], p: int) -> jax.Array:

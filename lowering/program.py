@@ -28,6 +28,7 @@ from jax import lax
 
 from piper_jax.ir.graph import Pass
 from piper_jax.ir.plan import Plan, Task
+from piper_jax.lowering.buffers import Buffers, StepParams
 from piper_jax.lowering.options import LoweringOptions
 from piper_jax.lowering.gradients import GradientSums, zeros_of
 from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions, signature
@@ -338,7 +339,7 @@ class Program:
       return branches[0](operands)
     return lax.switch(lax.axis_index("pp"), branches, operands)
 
-  def body(self, params: dict, batch: list):
+  def body(self, params: Buffers, batch: list):
     """One training step on local shards -> (grads like params, [mean loss, *mean aux
     leaves])."""
     st = _State(self.sums())
@@ -351,16 +352,18 @@ class Program:
     # dtype, and the cast is a no-op), or all-gathered in that dtype per tick under ZeRO-3,
     # instead of being cast again from fp32 in every task that reads them. A pipeline
     # also unpacks them once (`ParamLayout.unpack_cast`): ticks read them whole.
+    params = StepParams(params)
     if layout.zero < 3 and layout.cast_to:  # the cast copies of the slots with cast leaves
       cast_slots = layout.cast_slots - layout.unpacked_slots
-      params = dict(params, cast={
-          "slots": {dt: [x.astype(to) if (j, dt) in cast_slots else None
-                         for j, x in zip(layout.slot_ids[dt], params["slots"][dt])]
-                    for dt, to in layout.cast_to.items()},
-          "shared": {dt: params["shared"][dt].astype(to) for dt, to in layout.cast_to.items()
-                     if (SHARED, dt) in layout.cast_slots}})
+      own = params.own
+      params.cast = Buffers(
+          slots={dt: [x.astype(to) if (j, dt) in cast_slots else None
+                      for j, x in zip(layout.slot_ids[dt], own.slots[dt])]
+                 for dt, to in layout.cast_to.items()},
+          shared={dt: own.shared[dt].astype(to) for dt, to in layout.cast_to.items()
+                  if (SHARED, dt) in layout.cast_slots})
       if layout.unpacked_pos:
-        params["leaves"] = layout.unpack_cast(params)
+        params.leaves = layout.unpack_cast(own)
     if self.tick_loop is not None:
       st.acc, st.split_acc = self.grads.zero_sums()
       with jax.named_scope("pj:tick loop"):
@@ -374,12 +377,11 @@ class Program:
         # Bucketed sums are already reduced, in the reduce dtype: laid out as they are.
         acc = (self.grads.assemble(acc, self._switch, self.reduce_dtype,
                                    materialize=not self.buckets) if acc else {})
-      out = self.grads.finish(acc, bucketed=bool(self.buckets))
-      out["split"] = self.grads.finish_split(st.split_acc)
+      out = self.grads.finish(acc, st.split_acc, bucketed=bool(self.buckets))
       loss = lax.psum(st.loss, self.data_axes + ("pp",)) / (self.n_data * self.n_mb)
     return out, loss
 
-  def _run_ticks(self, st: "_State", params: dict, batch: list) -> None:
+  def _run_ticks(self, st: "_State", params: StepParams, batch: list) -> None:
     """The plan's ticks one by one."""
     ahead, n = None, len(self.plan.ticks)
     for t in range(n):
@@ -387,9 +389,9 @@ class Program:
         # ZeRO-3: the next tick's all-gathers are issued before this tick's work, so they
         # can run beside it (prefetched one tick ahead); what both ticks read is gathered
         # once.
-        gathered = ahead or (self._gather(t, params, after=st.loss)
+        gathered = ahead or (self._gather(t, params.own, after=st.loss)
                              if self.layout.zero == 3 else None)
-        ahead = (self._gather(t + 1, params, gathered, after=st.loss)
+        ahead = (self._gather(t + 1, params.own, gathered, after=st.loss)
                  if gathered and t + 1 < n else None)
         self._tick(t, st, params, batch, gathered=gathered)
 
@@ -398,14 +400,14 @@ class Program:
     return {p for ts in self.plan.ticks[tick_i] for t in ts
             for p in self.model.regions[t.region].params}
 
-  def _gather(self, tick_i: int, params: dict, have: tuple[dict, dict] | None = None,
+  def _gather(self, tick_i: int, params: Buffers, have: tuple[dict, dict] | None = None,
               after: jax.Array | None = None) -> tuple[dict, dict]:
     """`gather_segments` of the leaves tick `tick_i` reads, waiting for `after` under
     `LoweringOptions.zero3_reshard`."""
     after = after if self.options.zero3_reshard else None
     return self.gather_segments(self._read(tick_i), params, have, after)
 
-  def gather_segments(self, read: set[int], params: dict,
+  def gather_segments(self, read: set[int], params: Buffers,
                       have: tuple[dict, dict] | None = None,
                       after: jax.Array | None = None) -> tuple[dict, dict]:
     """ZeRO-3: the whole (slot, dtype) segments of the leaves in `read`, all-gathered over
@@ -440,7 +442,7 @@ class Program:
     cast = {key: get(key, layout.cast_to[key[1]]) for key, kinds in need.items() if True in kinds}
     return segs, cast
 
-  def _tick(self, tick_i: int, st: "_State", params: dict, batch: list,
+  def _tick(self, tick_i: int, st: "_State", params: StepParams, batch: list,
             gathered: tuple[dict, dict] | None = None):
     """Runs tick `tick_i` and its collectives on `st`; `gathered`: the tick's ZeRO-3
     segments if already all-gathered (`_gather`)."""
@@ -448,13 +450,12 @@ class Program:
     zero, axes = layout.zero, self.data_axes
     tick, info = plan.ticks[tick_i], self.ticks[tick_i]
     read = self._read(tick_i)
-    leaves = params.get("leaves", [])
+    leaves, own = params.leaves, params.own
     if zero == 3:
-      segs, cast = gathered or self._gather(tick_i, params, after=st.loss)
+      segs, cast = gathered or self._gather(tick_i, own, after=st.loss)
     else:
-      segs, cast = None, params.get("cast")
-      params = {k: v for k, v in params.items() if k not in ("cast", "leaves")}
-    split = self.gather_split_pieces(params["split"], read)
+      segs, cast = None, params.cast
+    split = self.gather_split_pieces(own.split, read)
     reads = sorted({loc[(key, rank)] for rank, ts in enumerate(tick) for t in ts
                     for key in map(self.root, self.task_reads(t))
                     if (key, rank) in loc and loc[(key, rank)].tick < tick_i}, key=str)
@@ -467,7 +468,7 @@ class Program:
       if pos in sums:
         acc_in[pos] = sums[pos]
     operands = {"arrays": {k: st.arrays[k] for k in reads},
-                "params": params if segs is None else segs, "cast": cast, "split": split,
+                "params": own if segs is None else segs, "cast": cast, "split": split,
                 "leaves": leaves,
                 "batch": batch, "acc": acc_in}
     branches = [self._branch(rank, tick_i, tick[rank], segs is not None, loc)
@@ -601,7 +602,7 @@ class Program:
 
     def param(p):
       if p in layout.split:
-        return layout.local_piece({"split": ops["split"]}, p)
+        return layout.local_piece(ops["split"], p)
       h = layout.home[p]
       if p in layout.unpacked_pos:  # (and the model's own cast turns it back)
         return layout.unpacked_leaf(ops["leaves"], p).astype(h.dtype)

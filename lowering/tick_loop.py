@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from piper_jax.ir.graph import Pass
+from piper_jax.lowering.buffers import StepParams
 from piper_jax.lowering.layout import signature
 from piper_jax.lowering.schedule_table import ScheduleTable, TaskKind, build_table
 
@@ -142,16 +143,16 @@ class TickLoop:
         return lax.dynamic_index_in_dim(stores[kind.reads[x]], ops["read_rows"][x], 0,
                                         keepdims=False)
 
-      params = ops["params"]
-      own = {k: params[k] for k in ("slots", "shared", "split")}
+      step_params: StepParams = ops["params"]
+      own = step_params.own
       gathered = layout.zero == 3
       if gathered:  # these regions' segments and pieces, whole for the task
         segs, cast = prog.gather_segments(reads_params, own)
         params = {"params": segs, "cast": cast, "leaves": [],
-                  "split": prog.gather_split_pieces(own["split"], reads_params)}
+                  "split": prog.gather_split_pieces(own.split, reads_params)}
       else:
-        params = {"params": own, "cast": params.get("cast"), "split": own["split"],
-                  "leaves": params.get("leaves", [])}
+        params = {"params": own, "cast": step_params.cast, "split": own.split,
+                  "leaves": step_params.leaves}
       param = prog.param_reader(params, gathered)
       grad_acc: dict = {}
       loss = ops["loss"]
@@ -223,7 +224,7 @@ class TickLoop:
 
   # -- the loop -------------------------------------------------------------
 
-  def run(self, params: dict, batch: list, acc: dict, split_acc: dict,
+  def run(self, params: StepParams, batch: list, acc: dict, split_acc: dict,
           loss: jax.Array) -> LoopCarry:
     """All ticks of the plan from the given gradient sums and loss (sums of every
     position the step adds to must be present)."""

@@ -17,8 +17,8 @@ from piper_jax.ir.errors import DeviceIndexError
 from piper_jax.ir.graph import Graph, NodeKind
 from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
 from piper_jax.ir.plan import Plan
-from piper_jax.lowering import (LoweringOptions, ParamLayout, Program, RegionRunner, SplitAxis,
-                                StepCollective, check_leaf, collectives_table,
+from piper_jax.lowering import (Buffers, LoweringOptions, ParamLayout, Program, RegionRunner,
+                                SplitAxis, StepCollective, check_leaf, collectives_table,
                                 packed_update_reason, shard_map_unchecked, step_collectives,
                                 trace_loss)
 from piper_jax.check import check as check_step
@@ -545,7 +545,7 @@ class TrainStep:
 
 
 def _is_buffers(x) -> bool:
-  return isinstance(x, dict) and set(x) == {"slots", "shared", "split"}
+  return isinstance(x, Buffers)
 
 
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,

@@ -73,7 +73,7 @@ def test_expert_parallel_x_pipeline(schedule, n_stages, dp, zero, batches_of):
   step, state = assert_same_run(loss, params, directives, batch_size=4 * dp, tx=MOE_TX)
   assert step.plan.mesh.size("ep") == 2
   # [1 rank, 1 device, experts / 2 (/ 2 copies under ZeRO-3), ...] per device.
-  pieces = {x.addressable_shards[0].data.shape[2] for x in state.params["split"]}
+  pieces = {x.addressable_shards[0].data.shape[2] for x in state.params.split}
   assert pieces == {config.n_experts // 2 // (2 if zero == 3 else 1)}
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import piper_jax as pj
 from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, tp_gpt
+from piper_jax.lowering.buffers import Buffers
 from piper_jax.lowering.optimizer import packed_update_reason
 
 pytestmark = pytest.mark.timeout(240)
@@ -68,7 +69,7 @@ def test_a_mask_that_reads_paths_is_checked_on_the_buffers_too():
       lambda p, _: "kernel" in jax.tree_util.keystr(p), t)
   tx = optax.masked(optax.sgd(1.0), by_path)
   assert packed_update_reason(tx, params) is None
-  shapes = {"slots": {"float32": [jax.ShapeDtypeStruct((2, 2, 12), np.float32)]}}
+  shapes = Buffers(slots={"float32": [jax.ShapeDtypeStruct((2, 2, 12), np.float32)]}, shared={})
   assert "packed buffers" in packed_update_reason(tx, params, shapes)
   assert packed_update_reason(optax.sgd(1.0), params, shapes) is None
   loss = lambda p, b: ((b["x"][:, :4] @ p["kernel_a"] @ p["kernel_b"]) ** 2).mean()

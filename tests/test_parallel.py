@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _split_piece_shapes(state):
   """Per split buffer: the shape of one device's piece."""
-  return [x.addressable_shards[0].data.shape for x in state.params["split"]]
+  return [x.addressable_shards[0].data.shape for x in state.params.split]
 
 
 @pytest.mark.parametrize("n,zero", [(2, 3), (4, 0)])
@@ -84,7 +84,7 @@ def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   assert step.plan.mesh.size("ep") == 2 and step.plan.mesh.n_pp == 2
   assert step.tick_loop  # the experts' all-to-alls run in the loop's tasks
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2}
-  slots = {x.shape for x in state.params["slots"]["float32"]}
+  slots = {x.shape for x in state.params.slots["float32"]}
   moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.shape in slots]
   # Stacked slots [pp, dp, chunk] hold one rank's chunk per device; slots spread over
   # all 8 devices (the embedding's, uneven over the ranks) an eighth of the whole.
@@ -92,7 +92,7 @@ def test_pp2_x_ep2_x_dp2_zero1(schedule, batches_of):
   assert moments and all(held(x).shape[:2] == (1, 1) if x.ndim == 3 else
                          held(x).size * 8 == x.size for x in moments)
   # The experts' optimizer state is sharded over the 2 copies of each expert group too.
-  experts = state.params["split"][0]
+  experts = state.params.split[0]
   moments = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.shape == experts.shape]
   assert moments and all(x.addressable_shards[0].data.shape[2] == experts.shape[2] // 2
                          for x in moments)

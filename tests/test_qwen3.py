@@ -29,7 +29,7 @@ def _model(name, **overrides):
 
 
 def _split_piece_shapes(state):
-  return [x.addressable_shards[0].data.shape for x in state.params["split"]]
+  return [x.addressable_shards[0].data.shape for x in state.params.split]
 
 
 def _n_params(name, **overrides):

@@ -315,7 +315,7 @@ def test_regions_in_several_slots(strategy):
                                 options=pj.LoweringOptions(slot_bytes=1024))
   per_rank = max(len(step.plan.rank_regions(r)) for r in range(step.plan.n_ranks))
   assert step._layout.n_slots > per_rank
-  assert len(state.params["slots"]["float32"]) == step._layout.n_slots
+  assert len(state.params.slots["float32"]) == step._layout.n_slots
   back = step.from_canonical(step.canonical(state))
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                          back.params, state.params)

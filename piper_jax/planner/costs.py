@@ -419,8 +419,8 @@ def _stacked_bytes(model: MeasuredModel, plan: Plan, options: LoweringOptions) -
   nbytes = lambda s: math.prod(s.shape) * np.dtype(s.dtype).itemsize
   # A slot is [ranks, replicas, chunk] (or, spread, [devices, share]): one rank's part per
   # device; the shared segment, [replicas, chunk], is on every device.
-  return int(sum(nbytes(s) // s.shape[0] for slots in shapes["slots"].values() for s in slots)
-             + sum(nbytes(s) for s in shapes["shared"].values()))
+  return int(sum(nbytes(s) // s.shape[0] for slots in shapes.slots.values() for s in slots)
+             + sum(nbytes(s) for s in shapes.shared.values()))
 
 
 def _tokens(spec) -> int:

@@ -66,13 +66,13 @@ def test_uneven_slot_is_spread_and_converts_to_the_stacked_rows():
   assert sp.size % spread.n_devices == 0 and sp.size < sum(sp.lengths) + spread.n_devices
   # Stacked, every rank pads to the first stage's part: 4 x 576 for 768 elements.
   i = stacked.slot_ids["float32"].index(key[0])
-  assert stacked.pack(leaves)["slots"]["float32"][i].size == N * sp.lengths[0]
+  assert stacked.pack(leaves).slots["float32"][i].size == N * sp.lengths[0]
   buffers = spread.pack(leaves)
   working = spread.to_working(buffers)
-  np.testing.assert_array_equal(working["slots"]["float32"][i],
-                                stacked.pack(leaves)["slots"]["float32"][i])
+  np.testing.assert_array_equal(working.slots["float32"][i],
+                                stacked.pack(leaves).slots["float32"][i])
   back = spread.from_working(working)
   for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(buffers)):
     np.testing.assert_array_equal(a, b)
-  assert spread.specs(sharded=False)["slots"]["float32"][i] != spread.specs(
-      sharded=False, working=True)["slots"]["float32"][i]
+  assert spread.specs(sharded=False).slots["float32"][i] != spread.specs(
+      sharded=False, working=True).slots["float32"][i]
