@@ -164,20 +164,7 @@ class ParamLayout:
     # leaf -> (dimension, "ep" | "tp"): the leaves shard / shard_tensor split.
     split = {p: (d, mesh.sharded[r]) for r, dims in mesh.split_dims.items()
              for p, d in dims.items()}
-    self.n_pp, self.n_dp, self.zero = mesh.n_pp, mesh.n_data, mesh.zero
-    # A pipeline's ZeRO-3 gathers its parameters once, as the step starts, and keeps
-    # them for the step (`gather_masters`): its tasks then hold no collective of their
-    # own and the pipeline is lowered as one loop. It is lowered as ZeRO-2 with sharded masters
-    # (a pipeline's ZeRO-2 sums gradients whole and reduce-scatters them once): gathered
-    # a tick at a time, a stage's weights were held for the step all the same, since
-    # consecutive ticks read them.
-    self.gathers_at_start = mesh.zero == 3 and self.n_pp > 1 and self.n_dp > 1
-    if self.gathers_at_start:
-      self.zero = 2
-    self.data_axes = mesh.data_axes if len(mesh.data_axes) > 1 else mesh.data_axes[0]
-    self.group_size = dict(mesh.inner)
-    # (axes, number) of the copies of split pieces, per kind (`MeshSpec.copies`).
-    self.copies = {k: mesh.copies(k) for k in mesh.inner}
+    self.mesh = mesh
     self.split = {p: d for p, (d, _) in split.items()}   # leaf -> split dimension
     self.split_kind = {p: k for p, (_, k) in split.items()}  # leaf -> "ep" | "tp"
     self.params = model.params
@@ -263,8 +250,55 @@ class ParamLayout:
     # The slots that hold leaves of each dtype, in the order of `slots[dtype]`.
     self.slot_ids = {dt: [j for j in range(self.n_slots) if self.chunk.get((j, dt), 0)]
                      for dt in self.dtypes}
-    self.n_devices = self.n_pp * mesh.n_dp
-    self.all_axes = mesh.axis_names
+
+  # -- what the mesh decides ------------------------------------------------
+
+  @property
+  def n_pp(self) -> int:
+    return self.mesh.n_pp
+
+  @property
+  def n_dp(self) -> int:
+    """Replicas each slot's chunks are spread over (all data axes together)."""
+    return self.mesh.n_data
+
+  @property
+  def gathers_at_start(self) -> bool:
+    """A pipeline's ZeRO-3 gathers its parameters once, as the step starts, and keeps
+    them for the step (`gather_masters`): its tasks then hold no collective of their
+    own and the pipeline is lowered as one loop. It is lowered as ZeRO-2 with sharded
+    masters (a pipeline's ZeRO-2 sums gradients whole and reduce-scatters them once):
+    gathered a tick at a time, a stage's weights were held for the step all the same,
+    since consecutive ticks read them."""
+    return self.mesh.zero == 3 and self.n_pp > 1 and self.n_dp > 1
+
+  @property
+  def zero(self) -> int:
+    return 2 if self.gathers_at_start else self.mesh.zero
+
+  @property
+  def data_axes(self):
+    """The data axes, or the one data axis by its name."""
+    axes = self.mesh.data_axes
+    return axes if len(axes) > 1 else axes[0]
+
+  @property
+  def group_size(self) -> dict[str, int]:
+    """Devices of each "ep" / "tp" group."""
+    return dict(self.mesh.inner)
+
+  @property
+  def copies(self) -> dict[str, tuple]:
+    """(axes, number) of the copies of split pieces, per kind (`MeshSpec.copies`)."""
+    return {k: self.mesh.copies(k) for k in self.mesh.inner}
+
+  @property
+  def n_devices(self) -> int:
+    return self.n_pp * self.mesh.n_dp  # tensor-parallel devices included
+
+  @property
+  def all_axes(self) -> tuple[str, ...]:
+    return self.mesh.axis_names
 
   def _spread_uneven(self) -> dict[tuple[int, str], Spread]:
     """The slots whose ranks' parts differ so much that stacking them would pad by more

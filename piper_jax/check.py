@@ -168,6 +168,67 @@ class CheckReport:
     return f"  plain JAX {plain[name]:.2e}  ({_ratio(d, plain[name])})"
 
 
+def _tolerances(precision: str, rtol: float | None) -> tuple[float, float]:
+  """(parameters' and gradients' rtol, the loss's rtol): `rtol` if given, else the
+  precision's rounding (reduced precision) or float32's defaults."""
+  if precision != "fp32":
+    tol = rtol if rtol is not None else ROUNDOFF[precision]
+    return tol, tol
+  return (rtol if rtol is not None else FP32_RTOL,
+          rtol if rtol is not None else FP32_LOSS_RTOL)
+
+
+def _run_strategy(step, params, batches: list, has_aux: bool) -> tuple[list, list]:
+  """The strategy's run: per step its loss then aux leaves, and its parameters, moved to
+  the host before the references run, so that they do not share device memory with
+  its state."""
+  state = step.init(params)
+  reported = []
+  for b in batches:
+    state, out = step(state, b)
+    reported.append(_reported(out, has_aux))
+  got = _host(step.params(state))
+  del state
+  return reported, got
+
+
+def _judge_reported(reported: list, ref: list, plain: list | None, aux_names: list,
+                    rtol: float, factor: float, failures: list) -> tuple:
+  """Relative differences of the losses (and the aux leaves, judged as the loss is)
+  from the reference's; `plain`: plain JAX's in reduced precision, whose error scales
+  the limit. Adds what fails to `failures`. Returns (per step, plain JAX's per step or
+  None, aux name -> worst)."""
+  def judge(what, a, b, pl):
+    d, plain_d = _rel(a, b), (None if pl is None else _rel(pl, b))
+    if not d <= rtol + (0.0 if plain_d is None else factor * plain_d):  # NaN fails too
+      failures.append(f"{what}: {a:.7g} vs {b:.7g}: " + _verdict(d, plain_d, factor, rtol))
+    return d, plain_d
+
+  rel, plain_rel = [], []
+  for i in range(len(reported)):
+    d, plain_d = judge(f"loss at step {i + 1}", reported[i][0], ref[i][0],
+                       None if plain is None else plain[i][0])
+    rel.append(d)
+    plain_rel.append(plain_d)
+  aux_rel: dict[str, float] = {}
+  for j, name in enumerate(aux_names, start=1):
+    for i in range(len(reported)):
+      d, _ = judge(f"{name} at step {i + 1}", reported[i][j], ref[i][j],
+                   None if plain is None else plain[i][j])
+      aux_rel[name] = max(aux_rel.get(name, 0.0), d, key=_nan_first)
+  return rel, (plain_rel if plain is not None else None), aux_rel
+
+
+def _judge_leaves(table: dict, plain_table: dict | None, frozen, what: str, rtol: float,
+                  factor: float, failures: list) -> None:
+  """Adds to `failures` each leaf of `table` (relative differences) over its limit:
+  `rtol`, plus `factor` times plain JAX's difference in reduced precision."""
+  for k, d in table.items():
+    plain_d = None if plain_table is None else plain_table[k]
+    if k not in frozen and not d <= rtol + (0.0 if plain_d is None else factor * plain_d):
+      failures.append(f"{what}{k}: " + _verdict(d, plain_d, factor, rtol))
+
+
 def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto",
           rtol: float | None = None, sgd: bool = True, loss_fn: Callable | None = None,
           optimizer: optax.GradientTransformation | None = None,
@@ -222,6 +283,8 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
 
   Returns:
     A `CheckReport`; `print` it for a table, test `.passed`.
+
+  (Over 80 lines for its arguments' documentation; its phases are the helpers above.)
   """
   if reference not in ("auto", "one_device", "jit"):
     raise ValueError(f"reference must be 'auto', 'one_device' or 'jit', got {reference!r}")
@@ -239,25 +302,13 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
     reference = "one_device" if _fits_one_device(params, tx, jax.local_devices()[0]) else "jit"
   precision = precision_of(loss_fn, params, batches[0], devices[0].platform)
   low = precision != "fp32"
-  if low:
-    p_rtol = l_rtol = rtol if rtol is not None else ROUNDOFF[precision]
-  else:
-    p_rtol = rtol if rtol is not None else FP32_RTOL
-    l_rtol = rtol if rtol is not None else FP32_LOSS_RTOL
+  p_rtol, l_rtol = _tolerances(precision, rtol)
 
   keys = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   start = _host(params)
 
-  # The strategy first, its results moved to the host, so that the references do not
-  # share device memory with its state.
   has_aux = getattr(step, "has_aux", False)
-  state = step.init(params)
-  reported = []  # per step: the loss, then the aux leaves
-  for b in batches:
-    state, out = step(state, b)
-    reported.append(_reported(out, has_aux))
-  got = _host(step.params(state))
-  del state
+  reported, got = _run_strategy(step, params, batches, has_aux)
 
   placement = _placement(reference, devices)
   plain = _Reference(loss_fn, tx, placement, highest=False, has_aux=has_aux)
@@ -288,38 +339,17 @@ def check(step, params: Any, batch: Any, steps: int = 2, reference: str = "auto"
       plain_grad_leaves = dict(zip(keys, _rel_leaves(plain_grads, ref_grads)))
 
   failures = []
-  rel_losses = [_rel(a, b) for a, b in zip(losses, ref_losses)]
-  plain_rel = [_rel(a, b) for a, b in zip(plain_losses, ref_losses)] if low else None
-  for i, d in enumerate(rel_losses):
-    limit = l_rtol + (factor * plain_rel[i] if low else 0.0)
-    if not d <= limit:  # NaN fails too
-      failures.append(f"loss at step {i + 1}: {losses[i]:.7g} vs {ref_losses[i]:.7g}: "
-                      + _verdict(d, plain_rel[i] if low else None, factor, l_rtol))
-  # The aux leaves are judged as the loss is.
   aux_names = list(step.aux_names) if has_aux else []
-  aux_rel: dict[str, float] = {}
-  for j, name in enumerate(aux_names, start=1):
-    for i in range(len(batches)):
-      a, b, pl = reported[i][j], ref_reported[i][j], plain_reported[i][j]
-      d, plain_d = _rel(a, b), (_rel(pl, b) if low else None)
-      aux_rel[name] = max(aux_rel.get(name, 0.0), d, key=_nan_first)
-      if not d <= l_rtol + (factor * plain_d if low else 0.0):
-        failures.append(f"{name} at step {i + 1}: {a:.7g} vs {b:.7g}: "
-                        + _verdict(d, plain_d, factor, l_rtol))
-
+  rel_losses, plain_rel, aux_rel = _judge_reported(
+      reported, ref_reported, plain_reported if low else None, aux_names, l_rtol, factor,
+      failures)
   leaves, left_out, frozen = _compare_params(keys, start, got, ref_params, keep, failures)
   plain_leaves = None
   if low:
     plain_leaves = _compare_params(keys, start, plain_params, ref_params, keep, [])[0]
-  for k, d in leaves.items():
-    if k not in frozen and not d <= p_rtol + (factor * plain_leaves[k] if low else 0.0):
-      failures.append(f"parameter {k}: "
-                      + _verdict(d, plain_leaves[k] if low else None, factor, p_rtol))
+  _judge_leaves(leaves, plain_leaves, frozen, "parameter ", p_rtol, factor, failures)
   if grad_leaves is not None:
-    for k, d in grad_leaves.items():
-      plain_d = plain_grad_leaves[k] if low else None
-      if not d <= p_rtol + (factor * plain_d if low else 0.0):
-        failures.append(f"gradient of {k}: " + _verdict(d, plain_d, factor, p_rtol))
+    _judge_leaves(grad_leaves, plain_grad_leaves, (), "gradient of ", p_rtol, factor, failures)
 
   score = lambda table, plain_table: {
       k: d if plain_table is None else d / (p_rtol + factor * plain_table[k])

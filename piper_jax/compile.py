@@ -115,6 +115,20 @@ def plan(loss_fn: Callable, directives, params: Any, example_batch: Any, n_devic
                       has_aux)[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Partitioning:
+  """How a step's state and batch are partitioned over its mesh: the gradients'
+  PartitionSpecs (`Buffers`), the parameters' and optimizer state's shardings, the
+  optimizer state's shapes, the whole state's (a `TrainState`) and the batch's."""
+
+  grad_specs: Any
+  params: Any
+  opt_shapes: Any
+  opt: Any
+  state: Any
+  batch: NamedSharding
+
+
 class TrainStep:
   """A compiled training step. `init(params) -> state`, `step(state, batch) -> (state, loss)`
   (`(state, (loss, aux))` for a loss_fn compiled with `has_aux`)."""
@@ -144,12 +158,12 @@ class TrainStep:
     # ZeRO-1/2 with bf16-read weights keep the fp32 masters sharded like the gradients
     # (`layout.shards_masters`); ZeRO-3 shards them too.
     sharded = pm.zero >= 3 or layout.shards_masters
-    self._place_state(sharded)
+    self._parts = self._place_state(sharded)
     self._step = self._jit_step(sharded)
     replicated = NamedSharding(self.mesh, P())
-    self._pack = jax.jit(layout.pack, out_shardings=self._param_shardings)
-    self._opt_init = jax.jit(optimizer.init, out_shardings=self._opt_shardings)
-    self._pack_opt = jax.jit(layout.pack, out_shardings=self._to_sharding(self._grad_specs))
+    self._pack = jax.jit(layout.pack, out_shardings=self._parts.params)
+    self._opt_init = jax.jit(optimizer.init, out_shardings=self._parts.opt)
+    self._pack_opt = jax.jit(layout.pack, out_shardings=self._to_sharding(self._parts.grad_specs))
     self._unpack = jax.jit(layout.unpack, out_shardings=replicated)
     self._to_canonical = None
     self._collectives: list[StepCollective] | None = None
@@ -172,20 +186,20 @@ class TrainStep:
     return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
                                   is_leaf=lambda x: isinstance(x, P))
 
-  def _place_state(self, sharded: bool) -> None:
+  def _place_state(self, sharded: bool) -> "_Partitioning":
     """How the state is partitioned (`sharded`: the parameters over the data-parallel
-    replicas): parameters, gradients, optimizer state and the batch, and whether the
-    optimizer updates packed buffers or whole leaves."""
+    replicas): parameters, gradients, optimizer state and the batch; sets whether the
+    optimizer updates packed buffers or whole leaves (`leaf_update`)."""
     layout, traced, optimizer, zero = self._layout, self._traced, self.optimizer, self.plan.mesh.zero
-    self._grad_specs = grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
-    self._param_shardings = self._to_sharding(layout.specs(sharded=sharded, split_sharded=sharded))
+    grad_specs = layout.specs(sharded=zero >= 1, split_sharded=zero >= 1)
+    param_shardings = self._to_sharding(layout.specs(sharded=sharded, split_sharded=sharded))
     # The optimizer updates the packed buffers when it treats every element alike;
     # otherwise (masks, per-leaf labels, factored or matrix updates) whole leaves.
     param_shapes = jax.tree_util.tree_unflatten(traced.param_tree, [x for _, x in traced.param_leaves])
     shapes = layout.shapes()
     self.leaf_update: str | None = packed_update_reason(optimizer, param_shapes, shapes)
     if self.leaf_update is None:
-      self._opt_shapes = jax.eval_shape(optimizer.init, shapes)
+      opt_shapes = jax.eval_shape(optimizer.init, shapes)
       # Optimizer state leaves shaped like a parameter buffer are partitioned like
       # its gradients (ZeRO >= 1: over "dp" too); scalars such as counts are replicated.
       opt_spec_of = {}
@@ -193,16 +207,17 @@ class TrainStep:
                          jax.tree_util.tree_leaves(grad_specs, is_leaf=lambda x: isinstance(x, P))):
         opt_spec_of.setdefault(s.shape, spec)
       opt_specs = jax.tree_util.tree_map(lambda s: opt_spec_of.get(tuple(s.shape), P()),
-                                         self._opt_shapes)
+                                         opt_shapes)
     else:
       # Whole leaves' state is spread over all the step's devices, leaf by leaf.
-      self._opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-      opt_specs = jax.tree_util.tree_map(lambda s: self._spread_spec(s.shape), self._opt_shapes)
-    self._opt_shardings = self._to_sharding(opt_specs)
-    self._state_shardings = TrainState(self._param_shardings, self._opt_shardings, self)
+      opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+      opt_specs = jax.tree_util.tree_map(lambda s: self._spread_spec(s.shape), opt_shapes)
+    opt_shardings = self._to_sharding(opt_specs)
     pm = self.plan.mesh
-    self._batch_sharding = NamedSharding(self.mesh, P(pm.data_axes if len(pm.data_axes) > 1
-                                                      else "dp"))
+    return _Partitioning(
+        grad_specs=grad_specs, params=param_shardings, opt_shapes=opt_shapes, opt=opt_shardings,
+        state=TrainState(param_shardings, opt_shardings, self),
+        batch=NamedSharding(self.mesh, P(pm.data_axes if len(pm.data_axes) > 1 else "dp")))
 
   def _jit_step(self, sharded: bool):
     """The jitted step: the shard_map body on the partitioned state (`sharded` as in
@@ -212,7 +227,7 @@ class TrainStep:
     # The body reads the stacked layout; spread slots are stored otherwise (`ParamLayout`).
     body = shard_map_unchecked(self._program.body, self.mesh,
                       in_specs=(layout.specs(sharded, sharded, working=True),
-                                [self._batch_sharding.spec] * n_batch),
+                                [self._parts.batch.spec] * n_batch),
                       out_specs=(layout.specs(zero >= 1, zero >= 1, working=True), P()))
     has_aux = self.has_aux
 
@@ -237,8 +252,8 @@ class TrainStep:
       device = self.devices[0]
       rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
       compiler_options = self._program.compiler_options("rocm" if rocm else device.platform)
-    return jax.jit(step_fn, in_shardings=(self._state_shardings, [self._batch_sharding] * n_batch),
-                   out_shardings=(self._state_shardings, NamedSharding(self.mesh, P())),
+    return jax.jit(step_fn, in_shardings=(self._parts.state, [self._parts.batch] * n_batch),
+                   out_shardings=(self._parts.state, NamedSharding(self.mesh, P())),
                    donate_argnums=0, compiler_options=dict(compiler_options) or None)
 
   # -- public API ---------------------------------------------------------------
@@ -293,7 +308,7 @@ class TrainStep:
         if tuple(x.shape) != want:
           raise ValueError(f"{name} has shape {tuple(x.shape)}, but the step was compiled "
                            f"for {want} (the example batch's)")
-        sharding = self._batch_sharding
+        sharding = self._parts.batch
         if not x.sharding.is_equivalent_to(sharding, x.ndim):
           if n_proc == 1 or x.sharding.device_set == sharding.device_set:
             x = jax.device_put(x, sharding)
@@ -307,7 +322,7 @@ class TrainStep:
                 f"sharded as `step.batch_sharding` ({sharding}), fully replicated, or as "
                 f"host data (the rows of this process's devices)")
       elif n_proc > 1:
-        index = self._batch_sharding.addressable_devices_indices_map(want)
+        index = self._parts.batch.addressable_devices_indices_map(want)
         spans = sorted({sl[0].indices(want[0])[:2] for sl in index.values()})
         local = (sum(b - a for a, b in spans),) + spec.shape[1:]
         if tuple(np.shape(x)) != local:
@@ -321,7 +336,7 @@ class TrainStep:
                            f"pass the {local[0]} rows this process's devices take (rows "
                            f"{rows} of the global batch), shape {local}, or a global "
                            f"jax.Array of shape {want}")
-        x = jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(x), want)
+        x = jax.make_array_from_process_local_data(self._parts.batch, np.asarray(x), want)
       elif tuple(np.shape(x)) != want:
         raise ValueError(f"{name} has shape {tuple(np.shape(x))}, but the step was compiled "
                          f"for {want} (the example batch's)")
@@ -332,7 +347,7 @@ class TrainStep:
   def batch_sharding(self) -> NamedSharding:
     """The sharding of every batch leaf the step runs on (rows over the data-parallel
     axes); a global `jax.Array` batch sharded so is passed as it is."""
-    return self._batch_sharding
+    return self._parts.batch
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
     """One training step: returns the new state and the mean loss over the batch.
@@ -371,10 +386,10 @@ class TrainStep:
     optimizers, spread slots). Traces the step once; the first call reuses the trace."""
     if self._collectives is None:
       sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-      params = jax.tree_util.tree_map(sds, self._layout.shapes(), self._param_shardings)
-      opt = jax.tree_util.tree_map(sds, self._opt_shapes, self._opt_shardings)
+      params = jax.tree_util.tree_map(sds, self._layout.shapes(), self._parts.params)
+      opt = jax.tree_util.tree_map(sds, self._parts.opt_shapes, self._parts.opt)
       batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(s.shape[1:]), s.dtype,
-                                    sharding=self._batch_sharding)
+                                    sharding=self._parts.batch)
                for s in self._traced.spec.batch]
       traced = self._step.trace(TrainState(params, opt, self), batch)
       self._collectives = step_collectives(traced.jaxpr) + self._xla_resharding()
@@ -385,8 +400,8 @@ class TrainStep:
     bytes of the arrays it reshards."""
     layout, out = self._layout, []
     shapes = jax.tree_util.tree_leaves(layout.shapes())
-    grads = jax.tree_util.tree_leaves(self._grad_specs, is_leaf=lambda x: isinstance(x, P))
-    params = jax.tree_util.tree_leaves(self._param_shardings)
+    grads = jax.tree_util.tree_leaves(self._parts.grad_specs, is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree_util.tree_leaves(self._parts.params)
     per_device = lambda s, spec: (int(np.prod(NamedSharding(self.mesh, spec).shard_shape(s.shape)))
                                   * np.dtype(s.dtype).itemsize)
     axes = tuple(self.mesh.axis_names)
@@ -477,10 +492,10 @@ class TrainStep:
     if self._compiled is None:
       abstract = lambda shapes, shardings: jax.tree_util.tree_map(
           lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-      params = abstract(self._layout.shapes(), self._param_shardings)
-      opt_state = abstract(self._opt_shapes, self._opt_shardings)
+      params = abstract(self._layout.shapes(), self._parts.params)
+      opt_state = abstract(self._parts.opt_shapes, self._parts.opt)
       batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype,
-                                    sharding=self._batch_sharding)
+                                    sharding=self._parts.batch)
                for x in self._traced.spec.batch]
       self._compiled = self._step.lower(TrainState(params, opt_state, self), batch).compile()
     return self._compiled
@@ -521,9 +536,9 @@ class TrainStep:
 
   def from_canonical(self, tree: dict) -> TrainState:
     """The inverse of `canonical`, partitioned for this step's strategy."""
-    outer = jax.tree_util.tree_structure(self._opt_shardings, is_leaf=_is_buffers)
+    outer = jax.tree_util.tree_structure(self._parts.opt, is_leaf=_is_buffers)
     parts = outer.flatten_up_to(tree["opt_state"])
-    shards = outer.flatten_up_to(self._opt_shardings)
+    shards = outer.flatten_up_to(self._parts.opt)
     # Copies (may_alias=False): the tree may hold a live state's arrays (`canonical` passes
     # counts through), and a step donates its state.
     opt = [self._pack_opt(self._onto_mesh(jax.tree_util.tree_leaves(x))) if _is_buffers(sh)
@@ -540,7 +555,7 @@ class TrainStep:
         [sds(x, sh) for (_, x), sh in zip(self._traced.param_leaves, self._canonical_shardings())])
     opt = jax.tree_util.tree_map(
         lambda b, sh: params if _is_buffers(b) else sds(b, replicated if b.ndim == 0 else sh),
-        self._opt_shapes, self._opt_shardings, is_leaf=_is_buffers)
+        self._parts.opt_shapes, self._parts.opt, is_leaf=_is_buffers)
     return {"params": params, "opt_state": opt}
 
 

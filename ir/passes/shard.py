@@ -76,10 +76,29 @@ def shard_regions(graph: Graph, model: ModelSpec, mesh: MeshSpec,
   """
   if not directives:
     return graph, mesh
+  kind_of, dims, blocks = _match_regions(graph, model, mesh, directives)
+  sizes = _group_sizes(blocks, directives)
+  _check_groups(model, mesh, directives, dims, blocks, sizes)
+  inner = {k: g for k, (g, _) in sizes.items()}
+  nodes, edges = dict(graph.nodes), list(graph.edges)
+  for n in graph.compute_nodes():
+    if n.region in kind_of:
+      kind = kind_of[n.region][0]
+      nodes[n.id] = n.replace(shard=(kind, inner[kind]))
+  ep_regions = {r for r, (k, _) in kind_of.items() if k == "ep"}
+  if ep_regions:
+    edges = _insert_all_to_all(graph, nodes, edges, ep_regions)
+  mesh = dataclasses.replace(mesh, inner=inner, sharded={r: k for r, (k, _) in kind_of.items()},
+                             split_dims=dims)
+  return Graph(nodes.values(), edges), mesh
+
+
+def _match_regions(graph: Graph, model: ModelSpec, mesh: MeshSpec, directives) -> tuple:
+  """The regions each directive splits: (region -> (kind, directive), region -> its split
+  dimensions per leaf, [(directive, kind, region, positions in its rank's group)])."""
   kind_of: dict[int, tuple[str, int]] = {}
   dims: dict[int, dict[int, int]] = {}
-  blocks: list[tuple[int, str, int, list[int]]] = []   # (directive, kind, region, positions)
-  tp_found: dict[int, bool] = {}
+  blocks: list[tuple[int, str, int, list[int]]] = []
   # shard first: a shard_tensor whose filter also covers EP regions (such as {} or
   # {"PP": 0}) leaves them to shard, unless it would split weights there.
   ordered = sorted(directives, key=lambda t: not isinstance(t[1], Shard))
@@ -111,13 +130,26 @@ def shard_regions(graph: Graph, model: ModelSpec, mesh: MeshSpec,
                   f"({model.regions[r].name}), which runs on {list(group)}; list at least two "
                   f"devices of that group to split it over")
       blocks.append((i, kind, r, block))
+  return kind_of, dims, blocks
+
+
+def _group_sizes(blocks: list, directives) -> dict[str, tuple[int, int]]:
+  """kind -> (its group size, the first directive that set it); one size per kind."""
   sizes: dict[str, tuple[int, int]] = {}
   for i, kind, r, block in blocks:
     g0, i0 = sizes.setdefault(kind, (len(block), i))
     if len(block) != g0:
       raise DirectiveError(f"{_OP[kind]} over groups of {len(block)} devices but directive {i0} "
                            f"uses {g0}; use one group size per kind", i, dict(directives)[i])
+  return sizes
+
+
+def _check_groups(model: ModelSpec, mesh: MeshSpec, directives, dims: dict, blocks: list,
+                  sizes: dict) -> None:
+  """Each group is laid out as the docstring of `shard_regions` says, expert regions
+  route tokens per expert, and every shard_tensor splits some weight."""
   e, t = sizes.get("ep", (1, 0))[0], sizes.get("tp", (1, 0))[0]
+  tp_found: dict[int, bool] = {}
   for i, kind, r, block in blocks:
     d = dict(directives)[i]
     group = mesh.groups[mesh.region_rank[r]]
@@ -142,18 +174,6 @@ def shard_regions(graph: Graph, model: ModelSpec, mesh: MeshSpec,
       raise DirectiveError(f"no parameter of the matched regions has the partitioning name "
                            f"{dict(directives)[i].axis!r}; mark the weights to split with "
                            f"flax.linen.with_partitioning", i, dict(directives)[i])
-  inner = {k: g for k, (g, _) in sizes.items()}
-  nodes, edges = dict(graph.nodes), list(graph.edges)
-  for n in graph.compute_nodes():
-    if n.region in kind_of:
-      kind = kind_of[n.region][0]
-      nodes[n.id] = n.replace(shard=(kind, inner[kind]))
-  ep_regions = {r for r, (k, _) in kind_of.items() if k == "ep"}
-  if ep_regions:
-    edges = _insert_all_to_all(graph, nodes, edges, ep_regions)
-  mesh = dataclasses.replace(mesh, inner=inner, sharded={r: k for r, (k, _) in kind_of.items()},
-                             split_dims=dims)
-  return Graph(nodes.values(), edges), mesh
 
 
 def _insert_all_to_all(graph: Graph, nodes: dict, edges: list, regions: set) -> list[Edge]:

@@ -466,6 +466,8 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   Raises:
     ValueError: for bad arguments, a model without PP regions asked for pipelines
       only, or when no candidate fits (naming the smallest need).
+
+  (Over 80 lines for its arguments' documentation; the search is in the helpers.)
   """
   if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
     raise ValueError(f"n_devices must be an int >= 1, got {n_devices!r}; pass the number of "
