@@ -135,6 +135,21 @@ class ScheduleTable:
     """Bytes of all stores: the same on every device, since one program runs every rank."""
     return sum(st.nbytes for st in self.stores)
 
+  @property
+  def period(self) -> int | None:
+    """For a table of one rank: the length of the shortest sequence of slots' kinds that
+    its slots repeat, if they repeat it at least twice and no kind runs more than twice
+    in it (one microbatch's F and B of each region: gradient accumulation), else None
+    (stages sharing the device, whose warm-up and cool-down would be written out). The
+    loop then runs that sequence with no switch."""
+    if self.code.shape[1] != 1:
+      return None
+    seq = self.code[:, 0].reshape(-1)
+    for p in range(1, min(len(seq) // 2, 2 * len(self.kinds) + self.n_slots) + 1):
+      if len(seq) % p == 0 and (seq.reshape(-1, p) == seq[:p]).all():
+        return p
+    return None
+
   def kind_index(self, *steps: tuple[int, Any]) -> int:
     """The index of the kind whose steps are `steps` ((region, pass) pairs)."""
     return next(i for i, k in enumerate(self.kinds) if k.steps == steps)

@@ -81,20 +81,6 @@ def _written(stores: list, values) -> list:
   return stores
 
 
-def straight_period(table: ScheduleTable) -> int | None:
-  """For a table of one rank: the length of the shortest sequence of slots' kinds that
-  its slots repeat, if they repeat it at least twice and no kind runs more than twice in
-  it (one microbatch's F and B of each region: gradient accumulation), else None
-  (stages sharing the device, whose warm-up and cool-down would be written out)."""
-  if table.code.shape[1] != 1:
-    return None
-  seq = table.code[:, 0].reshape(-1)
-  for p in range(1, min(len(seq) // 2, 2 * len(table.kinds) + table.n_slots) + 1):
-    if len(seq) % p == 0 and (seq.reshape(-1, p) == seq[:p]).all():
-      return p
-  return None
-
-
 class TickLoop:
   """Lowers `prog`'s plan as one `lax.fori_loop` over its ticks."""
 
@@ -117,7 +103,7 @@ class TickLoop:
         most[st] = max(most.get(st, 0), kind.writes.count(st))
     self.positions: list[tuple[int, int]] = [(st, n) for st in sorted(most)
                                              for n in range(most[st])]
-    self.period = straight_period(self.table)
+    self.period = self.table.period
     # Without a switch, branches write the stores in place.
     self.write_after = bool(prog.options.write_stores_after_switch) and self.period is None
 

@@ -18,7 +18,7 @@ from piper_jax.ir.graph import Graph, NodeKind
 from piper_jax.ir.pipeline import finish_plan, make_plan, place_graph
 from piper_jax.ir.plan import Plan
 from piper_jax.lowering import (Buffers, LoweringOptions, ParamLayout, Program, RegionRunner,
-                                SplitAxis, StepCollective, check_leaf, collectives_table,
+                                ScheduleTable, SplitAxis, StepCollective, check_leaf, collectives_table,
                                 packed_update_reason, shard_map_unchecked, step_collectives,
                                 trace_loss)
 from piper_jax.check import check as check_step
@@ -378,6 +378,26 @@ class TrainStep:
     """Whether the step runs as one loop over all its ticks: every plan with microbatches
     or pipeline ranks does; a step of one microbatch on one rank writes its ticks out."""
     return self._program.tick_loop is not None
+
+  @property
+  def schedule_table(self) -> ScheduleTable | None:
+    """The loop's plan as data (`lowering.schedule_table`): its task kinds, value stores,
+    exchange rounds and regroups, per tick, rank and slot; None for a step written out
+    tick by tick."""
+    loop = self._program.tick_loop
+    return None if loop is None else loop.table
+
+  @property
+  def layout(self) -> ParamLayout:
+    """Where each parameter leaf lives: its slot, rank and offset (`home`), the slots
+    (`n_slots`, `spread`), the leaves read in a narrower dtype (`cast`) and those
+    split by shard / shard_tensor (`split`), and how ZeRO holds them
+    (`shards_masters`, `gathers_at_start`)."""
+    return self._layout
+
+  def compiler_options(self, platform: str | None = None) -> dict:
+    """The XLA options the step compiles with on `platform` (default: its devices')."""
+    return self._program.compiler_options(platform or self.devices[0].platform)
 
   def collectives(self) -> list[StepCollective]:
     """The collectives one step runs: read from the step's traced program (so they are

@@ -133,7 +133,7 @@ def test_split_pieces_to_unsplit_and_back(kind, tmp_path):
   pieces, whole = _compile(loss, tx, params, batches,
                            [pj.replicate({}, [0, 1, 2, 3], zero=3), split],
                            [pj.replicate({}, [0, 1, 2, 3], zero=1)])
-  assert pieces._layout.split and not whole._layout.split
+  assert pieces.layout.split and not whole.layout.split
   _resume_across(tmp_path / "ckpt", [pieces, whole, pieces], params, batches)
 
 
@@ -145,7 +145,7 @@ def test_bf16_sharded_masters(tmp_path):
   sharded, replicated = _compile(loss, MOE_TX, params, batches,
                                  [pj.replicate({}, [0, 1, 2, 3], zero=2), pj.shard({"EP": "*"}, [0, 1])],
                                  [pj.replicate({}, [0, 1])])
-  assert sharded._layout.shards_masters and not replicated._layout.shards_masters
+  assert sharded.layout.shards_masters and not replicated.layout.shards_masters
   # The other strategy reduces the bf16 gradients in another order (losses 2.6e-5 apart).
   state = _resume_across(tmp_path / "ckpt", [sharded, replicated, sharded], params, batches,
                          rtol=2e-4)

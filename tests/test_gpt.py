@@ -237,7 +237,7 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3:
                 pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=3))
   losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
-  cast = {names[p] for p in step._layout.cast}
+  cast = {names[p] for p in step.layout.cast}
   assert "['block_0']['attn']['qkv']['kernel']" in cast
   assert not any("ln" in n for n in cast)  # LayerNorm computes in fp32 from its fp32 params
   # Cast leaves sit in slots of their own, all-gathered in bf16 only.
@@ -249,7 +249,7 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3:
   if zero == 1:
     # ZeRO-1/2 (Megatron's distributed optimizer): the fp32 parameters are sharded like
     # the optimizer state and gathered (cast slots in bf16) as the step starts.
-    assert step._layout.shards_masters
+    assert step.layout.shards_masters
     for x in jax.tree_util.tree_leaves(state.params):
       assert all(s.data.size * 8 == x.size for s in x.addressable_shards), x.sharding
     # The canonical layout (checkpoints) restores them: the next step is the same.
@@ -263,13 +263,13 @@ def test_bf16_weight_copies_made_once(zero, monkeypatch):  # ZeRO-1: DP; ZeRO-3:
                                       sgd=zero == 3)
   # Without casts ZeRO-1 keeps its fp32 parameters whole; a pipeline's ZeRO-3 still
   # gathers them (fp32) as the step starts.
-  assert not plain_step._layout.cast and plain_step._layout.shards_masters == (zero == 3)
+  assert not plain_step.layout.cast and plain_step.layout.shards_masters == (zero == 3)
 
 
 def _bf16_weight_slices(step, state, batch) -> int:
   """How many bf16 slices as big as a cast leaf the step's program makes: where tasks
   read their weights from the packed cast copies."""
-  sizes = {step._layout.home[p].size for p in step._layout.cast}
+  sizes = {step.layout.home[p].size for p in step.layout.cast}
   hlo = step.lower(state, batch).as_text()
   return sum(int(n) in sizes for n in re.findall(r"stablehlo.slice.*-> tensor<(\d+)xbf16>", hlo))
 
@@ -291,7 +291,7 @@ def test_pipeline_weights_unpacked_once(schedule, zero, monkeypatch):
   tx = models.optimizer()
   directives = pj.strategies.pipeline(n_stages, 4, schedule, dp=2 if zero else 1, zero=zero)
   losses, got, step, state = models.piper_run(loss_fn, params, batches, tx, directives)
-  layout = step._layout
+  layout = step.layout
   assert layout.cast and set(layout.unpacked_pos) == layout.cast
   # Each sliced once, in the unpacking (in fp32, or gathered in bf16 under ZeRO-1/2).
   assert _bf16_weight_slices(step, state, batches[0]) == (len(layout.cast) if zero else 0)
@@ -336,12 +336,12 @@ def test_weight_casts_seen_inside_remat_and_jit(monkeypatch):
   directives = pj.strategies.data_parallel(8, zero=1)
   losses, got, step, _ = models.piper_run(loss, params, batches, tx, directives)
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
-  assert {names[p] for p in step._layout.cast} == {"['stage0']['w']", "['stage1']['w']"}
+  assert {names[p] for p in step.layout.cast} == {"['stage0']['w']", "['stage1']['w']"}
   # A pipeline below ZeRO-3 casts them once too, and unpacks them once (one per rank).
   pipe = pj.compile(loss, tx, pj.strategies.pipeline(2, 2, "1f1b", dp=2, zero=1), params,
                     batches[0])
-  assert set(pipe._layout.unpacked_pos) == pipe._layout.cast == step._layout.cast
-  assert len(pipe._layout.unpacked_positions) == 1  # the two stages' w share a position
+  assert set(pipe.layout.unpacked_pos) == pipe.layout.cast == step.layout.cast
+  assert len(pipe.layout.unpacked_positions) == 1  # the two stages' w share a position
   _same_as_without_casts(loss, params, batches, tx, directives, losses, got, sgd=False)
 
 

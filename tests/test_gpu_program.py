@@ -184,4 +184,4 @@ def test_gpu_ordered_pipeline_runs_on_cpu(dp, zero, gpu_program):
                                 devices=jax.devices()[:2 * dp])
   assert not step._program.order_collectives and step.tick_loop
   assert _jit_options(step.lower(state, random_batch(jax.random.PRNGKey(0), 16 * dp))) \
-      == step._program.compiler_options("gpu") != {}
+      == step.compiler_options("gpu") != {}

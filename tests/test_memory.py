@@ -84,7 +84,7 @@ def test_each_device_holds_an_even_share_of_uneven_stages(directives):
   # each holds a quarter of the state (params and adam's two moments), within a little
   # padding, not the first stage's whole.
   step, params, state = _step(directives)
-  assert step._layout.spread, "the table's slot should be spread"
+  assert step.layout.spread, "the table's slot should be spread"
   state_bytes = 3 * sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
   held = _bytes_per_device(state)
   assert len(held) == 4
@@ -98,7 +98,7 @@ def test_spread_slots_give_one_devices_numbers():
   spread = pj.LoweringOptions()  # spread_uneven_slots, the default
   step, _ = assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "1f1b"), batch_size=8,
                             options=spread)
-  assert step._layout.spread
+  assert step.layout.spread
   # A masked optimizer updates whole leaves, read from the spread slot.
   masked = optax.adamw(1e-2, weight_decay=0.5,
                        mask=lambda t: jax.tree_util.tree_map(lambda x: x.ndim > 1, t))

@@ -55,7 +55,7 @@ def test_expert_parallel_zero2_bf16_shards_the_masters():
   batches = [gpt.random_batch(config, jax.random.PRNGKey(i), 8, pattern_seed=1) for i in range(2)]
   directives = [pj.replicate({}, [0, 1, 2, 3], zero=2), pj.shard({"EP": "*"}, [0, 1])]
   losses, got, step, state = models.piper_run(loss, params, batches, MOE_TX, directives)
-  assert step._layout.shards_masters
+  assert step.layout.shards_masters
   assert {s[2] for s in _split_piece_shapes(state)} == {config.n_experts // 2 // 2}
   want_losses, want, _, _ = models.piper_run(loss, params, batches, MOE_TX, directives,
                                              options=pj.LoweringOptions(shard_masters=False))
@@ -108,7 +108,7 @@ def test_tensor_parallel(batches_of):
   # and ZeRO-3 shards that half again over the 2 data-parallel copies.
   names = {s.name: s for s in step.plan.model.params}
   assert names["block_0/attn/qkv/kernel/value"].names == (None, "tp")
-  split = step._layout.split
+  split = step.layout.split
   assert all(step.plan.model.params[p].names[d] == "tp" for p, d in split.items())
   assert (1, 1, config.d_model // 2, 3 * config.d_model // 2) in set(_split_piece_shapes(state))
   # The canonical layout (checkpoints) puts the pieces back together.
@@ -136,7 +136,7 @@ def test_pp2_x_ep2_x_tp2(batches_of):
   step, state = assert_same_run(loss, params, directives, batch_size=8, tx=MOE_TX)
   mesh = step.plan.mesh
   assert mesh.axis_names == ("dp", "ep", "tp", "pp") and dict(mesh.inner) == {"ep": 2, "tp": 2}
-  kinds = {k for _, _, k in step._layout.split_positions}
+  kinds = {k for _, _, k in step.layout.split_positions}
   assert kinds == {"ep", "tp"}
 
 

@@ -220,7 +220,7 @@ def test_bucketed_gradient_reduction(n_stages):
   text = step.lower(step.init(params), _batch()).as_text()
   reduces = text.count("all_reduce") + text.count("all-reduce")
   if n_stages == 1:
-    assert len(sum(step._program.buckets.values(), [])) > 1 and reduces > 1
+    assert len(_reduced_in_ticks(step)) > 1 and reduces > 1
   else:
     assert reduces >= 1
 
@@ -264,7 +264,7 @@ def test_reduce_dtype_bf16(zero, bucket_mb):
   assert not all(np.allclose(np.asarray(p - q), np.asarray(e), rtol=1e-6, atol=0)
                  for p, q, e in zip(*map(jax.tree_util.tree_leaves, (params, sgd_params, exact))))
   assert "bf16" in step.lower(state, batch).as_text()
-  assert bool(step._program.buckets) == (bucket_mb is not None)
+  assert bool(_reduced_in_ticks(step)) == (bucket_mb is not None)
 
 
 def test_reduce_dtype_bf16_pipeline_zero2():
@@ -314,8 +314,8 @@ def test_regions_in_several_slots(strategy):
   step, state = assert_same_run(loss, params, directives,
                                 options=pj.LoweringOptions(slot_bytes=1024))
   per_rank = max(len(step.plan.rank_regions(r)) for r in range(step.plan.n_ranks))
-  assert step._layout.n_slots > per_rank
-  assert len(state.params.slots["float32"]) == step._layout.n_slots
+  assert step.layout.n_slots > per_rank
+  assert len(state.params.slots["float32"]) == step.layout.n_slots
   back = step.from_canonical(step.canonical(state))
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                          back.params, state.params)
@@ -341,7 +341,7 @@ def test_zero3_pipeline_gathers_its_weights_as_the_step_starts():
   loss, params = _mlp(2)
   directives = pj.strategies.pipeline(2, 4, "1f1b", dp=4, zero=3)
   step, state = assert_same_run(loss, params, directives, batch_size=32)
-  assert step.tick_loop and step._layout.gathers_at_start
+  assert step.tick_loop and step.layout.gathers_at_start
   gathers = [c for c in step.collectives() if c.kind == "all-gather"]
   assert gathers and all(c.where == ("step start",) and c.count == 1 for c in gathers), gathers
 
@@ -357,7 +357,7 @@ def test_data_parallel_microbatches_accumulate_in_turn():
   assert [t.label for tick in step.plan.ticks for t in tick[0]] == [
       "r0F0", "r1F0", "r1B0", "r0B0", "r0F1", "r1F1", "r1B1", "r0B1"]
   text = step.lower(state, random_batch(jax.random.PRNGKey(0), 32)).as_text()
-  kinds = step._program.tick_loop.table.kinds
+  kinds = step.schedule_table.kinds
   assert len(kinds) == 4  # r0F r1F r1B r0B, each compiled once for both microbatches
   assert len(re.findall(r"stablehlo\.all_gather", text)) == len(kinds)
 
@@ -416,15 +416,15 @@ def test_compiler_options(monkeypatch):
   assert "CONDITIONAL" in PIPELINE_COMMAND_BUFFERS and "WHILE" in PIPELINE_COMMAND_BUFFERS
   # A tick's conditional is one command between two collective-permutes.
   assert PIPELINE_XLA_OPTIONS["xla_gpu_graph_min_graph_size"] == 1
-  assert pp._program.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
-  assert pp._program.compiler_options("cpu") == dp._program.compiler_options("gpu") == {}
+  assert pp.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
+  assert pp.compiler_options("cpu") == dp.compiler_options("gpu") == {}
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
-  assert pp._program.compiler_options("gpu") == {"xla_gpu_graph_min_graph_size": 1}
+  assert pp.compiler_options("gpu") == {"xla_gpu_graph_min_graph_size": 1}
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5")
-  assert pp._program.compiler_options("gpu") == {}
+  assert pp.compiler_options("gpu") == {}
   # A longer flag that starts with the same name is another option.
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer_va_remapping=true")
-  assert pp._program.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
+  assert pp.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
   # The user's options reach XLA in place of piper-jax's.
   bad = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch,
                    compiler_options={"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
@@ -460,7 +460,7 @@ def test_lowering_options_are_one_argument():
   assert step.options == dataclasses.replace(opts, remat=False, write_stores_after_switch=True)
   assert step.options.changed() == {"zero3_reshard": False, "remat": False, "slot_bytes": 1024,
                                     "write_stores_after_switch": True}
-  assert step._layout.n_slots > 1  # 1 KiB slots: several a region
+  assert step.layout.n_slots > 1  # 1 KiB slots: several a region
   # remat=None resolves per strategy: on in pipelines.
   assert pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params,
                     _batch()).options.remat is True
@@ -503,3 +503,9 @@ def test_two_values_from_one_stage_into_the_next(schedule):
 
   step, _ = assert_same_run(loss, params, pj.strategies.pipeline(2, 2, schedule))
   assert sum(n.kind.value == "send" for n in step.plan.graph.nodes.values()) >= 4
+
+
+def _reduced_in_ticks(step):
+  """The all-reduces a step runs inside its ticks (gradient buckets), not at its end."""
+  return [c for c in step.collectives()
+          if c.kind == "all-reduce" and any(w.startswith("tick ") for w in c.where)]

@@ -39,7 +39,6 @@ def test_stores_written_inside_or_after_the_switch_give_the_same_numbers(schedul
     options = pj.LoweringOptions(write_stores_after_switch=after)
     step, _ = assert_same_run(mlp_loss(4), params, directives, options=options)
     assert step.options.write_stores_after_switch is (after is None)
-    assert bool(step._program.tick_loop.positions) and step._program.tick_loop.write_after is (after is None)
 
 
 def test_tick_loop_expert_parallel_x_pipeline(batches_of):
@@ -95,7 +94,7 @@ def test_a_pipelines_zero_stages_are_one_program_with_sharded_masters():
     step = pj.compile(gpt.loss_fn(net), optax.adamw(1e-3),
                       pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=zero), params, batch,
                       devices=jax.devices()[:4])
-    assert step.tick_loop and step._program.layout.shards_masters
+    assert step.tick_loop and step.layout.shards_masters
     texts.append(step.lower(step.init(params), batch).as_text())
   assert texts[0] == texts[1] == texts[2]
 
@@ -111,7 +110,7 @@ def test_pipelines_run_as_one_loop(dp, zero):
   # The options as resolved for this plan on this platform: remat on in pipelines.
   assert "lowering options, resolved: remat=True, " in step.describe()
   # What every device allocates for the values that outlive a tick.
-  table = step._program.tick_loop.table
+  table = step.schedule_table
   assert table.store_bytes == sum(
       (st.depth + 1) * int(np.prod(st.shape)) * np.dtype(st.dtype).itemsize
       for st in table.stores) > 0
@@ -208,7 +207,7 @@ def test_no_collective_inside_the_loops_conditionals(directives, n_devices):
   step = pj.compile(mlp_loss(2), optax.sgd(0.1), directives, params, batch,
                     devices=jax.devices()[:n_devices])
   hlo = step.lower(step.init(params), batch).compile().as_text()
-  assert step.tick_loop and (" conditional(" in hlo) == (step._program.tick_loop.period is None)
+  assert step.tick_loop and (" conditional(" in hlo) == (step.schedule_table.period is None)
   assert _collectives_in_conditionals(hlo) == []
   assert re.search(r"\b(all-reduce|reduce-scatter|collective-permute)(-start)?\(", hlo)
 
@@ -222,7 +221,7 @@ def test_accumulation_with_experts_or_tensors_split_has_no_switch(batches_of):
     batches_of(config)
     directives = [pj.split(2), pj.replicate({}, [0, 1, 2, 3], zero=3), shard]
     step, state = assert_same_run(loss, params, directives, batch_size=16, tx=MOE_TX)
-    assert step._program.tick_loop.period is not None
+    assert step.schedule_table.period is not None
     import models
     hlo = step.lower(state, models.random_batch(jax.random.PRNGKey(0), 16)).compile().as_text()
     assert _collectives_in_conditionals(hlo) == [], model
