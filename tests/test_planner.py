@@ -11,7 +11,7 @@ from piper_jax.ir.graph import Pass
 from piper_jax.ir.plan import Task
 from piper_jax.planner import (Candidate, CostModel, Estimate, MemoryEstimate, RegionTimes,
                                SearchResult, format_bytes, format_time)
-from piper_jax.planner.costs import _peak_activations
+from piper_jax.planner.costs import _peak_activations, _store_bytes, _stored_regions
 from piper_jax.planner.search import _balanced_groups, _Layout, _microbatch_counts
 
 pytestmark = pytest.mark.timeout(30)
@@ -93,6 +93,24 @@ def test_activations_live_from_their_forward_to_their_last_backward():
   # Each region's own bytes; tasks of another rank do not count.
   assert _peak({_task(0, F, 0): 1, _task(1, F, 0): 2, _task(1, B, 0): 3, _task(0, B, 0): 4,
                 _task(0, F, 1, rank=1): 2, _task(0, B, 1, rank=1): 5}) == 110
+
+
+def test_stages_sharing_a_device_keep_their_residuals_in_the_loops_stores():
+  F, B = Pass.F, Pass.B
+  # Accumulation: each microbatch's passes are one chain, whose residuals stay in its
+  # branch (one microbatch's, all regions).
+  order = [_task(r, p, m) for m in range(2) for r, p in ((0, F), (1, F), (1, B), (0, B))]
+  plan = types.SimpleNamespace(ticks=[[order]], tasks={t.label: t for t in order})
+  assert _stored_regions(plan) == set()
+  # 1F1B with both stages on the device: region 0's F of microbatch 1 runs before its B
+  # of microbatch 0, so its residuals go to a store of 2 live rows and a scratch row,
+  # held for the step beside region 1's chain (F then B of one microbatch).
+  order = [_task(0, F, 0), _task(1, F, 0), _task(1, B, 0), _task(0, F, 1), _task(0, B, 0),
+           _task(1, F, 1), _task(1, B, 1), _task(0, B, 1)]
+  plan = types.SimpleNamespace(ticks=[[order]], tasks={t.label: t for t in order})
+  report = types.SimpleNamespace(end={t.label: i + 1 for i, t in enumerate(order)})
+  assert _stored_regions(plan) == {0}
+  assert _store_bytes(plan, report, {0: 100, 1: 10}) == 3 * 100 + 10
 
 
 def test_stages_cut_regions_where_the_slowest_stage_is_fastest():

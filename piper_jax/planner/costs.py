@@ -275,6 +275,8 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   acts_of = [_peak_activations(plan, report, rank,
                                {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
              for rank in range(mesh.n_pp)]
+  if lowers_as_loop(plan) and mesh.n_pp == 1 and _stored_regions(plan):
+    acts_of = [_store_bytes(plan, report, {r: int(act[r] * scale) for r in act})]
   if lowers_as_loop(plan):
     # One program for every rank: each device allocates the stores of the rank that
     # keeps the most.
@@ -432,6 +434,33 @@ def _act_itemsize(spec) -> int:
   """Bytes per element of the activations between regions (4 when there are none)."""
   acts = [x.spec for r in spec.regions for x in r.inputs]
   return np.dtype(acts[0].dtype).itemsize if acts else 4
+
+
+def _stored_regions(plan: Plan) -> set[int]:
+  """On one rank: the regions whose residuals the loop keeps in its stores, those whose
+  F and backward of a microbatch are not one chain of that microbatch's tasks in one
+  tick (stages sharing the device); a chain's residuals stay inside its branch."""
+  stored = set()
+  for tick in plan.ticks:
+    tasks = tick[0]
+    for i, t in enumerate(tasks):
+      if t.pass_.value != "F":
+        continue
+      j = next((j for j in range(i + 1, len(tasks)) if tasks[j].region == t.region
+                and tasks[j].mb == t.mb), None)
+      if j is None or any(u.mb != t.mb for u in tasks[i:j]):
+        stored.add(t.region)
+  return stored
+
+
+def _store_bytes(plan: Plan, report, nbytes: Mapping[int, int]) -> int:
+  """A one-rank loop's activations when some regions' residuals live in its stores:
+  those stores whole for the step (a row per microbatch the schedule keeps alive, and
+  a scratch row), and beside them the largest residuals a chain keeps in its branch."""
+  stored = _stored_regions(plan)
+  rows = sum(_peak_activations(plan, report, 0, {**{q: 0 for q in nbytes}, r: nbytes[r]})
+             + nbytes[r] for r in stored)
+  return int(rows + max((nbytes[r] for r in nbytes if r not in stored), default=0))
 
 
 def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) -> int:
