@@ -63,10 +63,11 @@ class LoweringOptions:
     if self.slot_bytes is not None and self.slot_bytes < 1:
       raise ValueError(f"slot_bytes must be >= 1, got {self.slot_bytes}")
 
-  def resolved(self, n_pp: int, platform: str, n_devices: int = 2) -> "LoweringOptions":
+  def resolved(self, n_pp: int, platform: str, n_devices: int | None = None
+               ) -> "LoweringOptions":
     """These options with every None decided, for a plan of `n_pp` pipeline ranks on
-    `n_devices` devices of `platform` ("cpu", "gpu"): the one place the defaults are
-    chosen; `pj.compile` and the planner read the result."""
+    `n_devices` devices (None: not known) of `platform` ("cpu", "gpu"): the one place
+    the defaults are chosen; `pj.compile` and the planner read the result."""
     remat = n_pp > 1 if self.remat is None else self.remat
     after = (platform == "cpu" if self.write_stores_after_switch is None
              else self.write_stores_after_switch)

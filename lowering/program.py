@@ -230,7 +230,7 @@ class Program:
     """Value keys a task reads."""
     r, m = task.region, task.mb
     spec, ad = self.model.regions[r], self.ad[r]
-    act_in, act_out, ct_in = self._io_kinds(r)
+    act_in, act_out, ct_in, _ = self._io_kinds(r)
     keys = []
     if task.pass_ is Pass.F:
       keys += [ValueKey(act_in, x.region, m, x.output) for x in spec.inputs]
@@ -247,13 +247,14 @@ class Program:
         keys += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
     return list(dict.fromkeys(keys))
 
-  def _io_kinds(self, r: int) -> tuple[ValueKind, ValueKind, ValueKind]:
-    """The kinds of region r's input activations, its outputs and its outputs'
-    cotangents as its passes read and make them: in its experts' layout if it is expert
-    parallel (see `made_from`)."""
+  def _io_kinds(self, r: int) -> tuple[ValueKind, ValueKind, ValueKind, ValueKind]:
+    """The kinds of region r's input activations, its outputs, its outputs' cotangents
+    and its inputs' cotangents as its passes read and make them: in its experts' layout
+    if it is expert parallel (see `made_from`)."""
     if self.runner.io_local(r):
-      return ValueKind.ACT_TO_EP, ValueKind.ACT_FROM_EP, ValueKind.CT_TO_EP
-    return ValueKind.ACT, ValueKind.ACT, ValueKind.CT
+      return (ValueKind.ACT_TO_EP, ValueKind.ACT_FROM_EP, ValueKind.CT_TO_EP,
+              ValueKind.CT_FROM_EP)
+    return ValueKind.ACT, ValueKind.ACT, ValueKind.CT, ValueKind.CT
 
   def made_from(self, key: ValueKey) -> ValueKey | None:
     """The value `key` is regrouped from by expert parallel's all-to-all (`regroup`), or
@@ -293,15 +294,13 @@ class Program:
   def task_produces(self, task: Task) -> list[ValueKey]:
     """Value keys a task makes."""
     r, m = task.region, task.mb
-    ep = self.runner.io_local(r)
+    _, act_out, _, ct_out = self._io_kinds(r)
     if task.pass_ is Pass.F:
-      act = ValueKind.ACT_FROM_EP if ep else ValueKind.ACT
-      return ([ValueKey(act, r, m, k) for k in range(len(self.model.regions[r].outputs))]
+      return ([ValueKey(act_out, r, m, k) for k in range(len(self.model.regions[r].outputs))]
               + [ValueKey(ValueKind.RES, r, m, k) for k in range(len(self.ad[r].stored))])
     if task.pass_ is Pass.BW:
       return []
-    ct = ValueKind.CT_FROM_EP if ep else ValueKind.CT
-    out = [ValueKey(ct, r, m, i) for i in self.ad[r].diff_acts]
+    out = [ValueKey(ct_out, r, m, i) for i in self.ad[r].diff_acts]
     if task.pass_ is Pass.BI:
       out += [ValueKey(ValueKind.WRES, r, m, k) for k in range(len(self.split[r].carry))]
     return out
@@ -532,8 +531,7 @@ class Program:
     model = self.model
     spec, ad = model.regions[r], self.ad[r]
     params = [param(p) for p in spec.params]
-    act_in, act_out, ct_in = self._io_kinds(r)
-    ct_out = ValueKind.CT_FROM_EP if ct_in is ValueKind.CT_TO_EP else ValueKind.CT
+    act_in, act_out, ct_in, ct_out = self._io_kinds(r)
     loss = self.sums()
     if pass_ is Pass.F:
       acts = [read(ValueKey(act_in, x.region, m, x.output)) for x in spec.inputs]

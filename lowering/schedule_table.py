@@ -84,7 +84,7 @@ class Round:
   stores: tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class Regroup:
   """A position of the regroups every slot runs after its switch: a value of store
   `source` made into one of store `target`. Positions run in order, so that a value
@@ -195,8 +195,9 @@ def pair_rounds(pairs: set[tuple[int, int]]) -> list[list[tuple[int, int]]]:
   return rounds
 
 
-def _positions(per_sender: Sequence[list[int]]) -> list[int]:
-  """Stores of a round's positions: enough of each store for any sender's values."""
+def _positions(per_sender: Sequence[list]) -> list:
+  """Stores of a round's positions (or any hashable kinds of position): enough of each
+  for any sender's values."""
   need: dict[int, int] = {}
   for stores in per_sender:
     for s in set(stores):
@@ -505,8 +506,7 @@ def _exchange_rounds(sends: dict, stores: tuple, n_it: int, n_ranks: int, store_
         continue
       taken: set[int] = set()
       for k in keys:
-        n = next(n for n, st in enumerate(rnd.stores) if st == store_of(k) and n not in taken)
-        taken.add(n)
+        n = _take(rnd.stores, store_of(k), taken)
         send_rows[ti, a, j, n] = row(k, a)
         recv_rows[ti, b, j, n] = row(k, b)
   return rounds, send_rows, recv_rows
@@ -517,20 +517,22 @@ def _regroup_arrays(regroups: dict, stores: tuple, n_it: int, n_ranks: int, n_sl
   """The regroup positions every slot runs (per level and pair of stores, as many as
   any slot needs, lower levels first) and per (tick, rank, slot, position) the rows
   they read and write (scratch rows where a slot has none there)."""
-  need: dict[tuple[int, int, int], int] = {}
-  for items in regroups.values():
-    count = collections.Counter((lvl, store_of(src), store_of(key)) for lvl, src, key in items)
-    for pos, n in count.items():
-      need[pos] = max(need.get(pos, 0), n)
-  positions = tuple(Regroup(*pos) for pos in sorted(need) for _ in range(need[pos]))
+  kind = lambda lvl, src, key: Regroup(lvl, store_of(src), store_of(key))
+  positions = tuple(_positions([[kind(*item) for item in items]
+                                for items in regroups.values()]))
   rows = np.zeros((n_it, n_ranks, n_slots, max(len(positions), 1), 2), np.int32)
   for n, g in enumerate(positions):
     rows[:, :, :, n] = (stores[g.source].scratch, stores[g.target].scratch)
   for (ti, rank, s), items in regroups.items():
     taken: set[int] = set()
     for lvl, src, key in items:
-      n = next(n for n, g in enumerate(positions) if n not in taken and
-               (g.level, g.source, g.target) == (lvl, store_of(src), store_of(key)))
-      taken.add(n)
-      rows[ti, rank, s, n] = (row(src, rank), row(key, rank))
+      rows[ti, rank, s, _take(positions, kind(lvl, src, key), taken)] = (row(src, rank),
+                                                                        row(key, rank))
   return positions, rows
+
+
+def _take(positions: Sequence, want, taken: set[int]) -> int:
+  """The first position of kind `want` not yet `taken` (and takes it)."""
+  n = next(n for n, x in enumerate(positions) if x == want and n not in taken)
+  taken.add(n)
+  return n

@@ -81,6 +81,14 @@ def _written(stores: list, values) -> list:
   return stores
 
 
+def _operands(c: LoopCarry, params, batch: list, mb, read_rows, write_rows) -> dict:
+  """A branch's operands: the carry, the step's weights and batch, and the slot's
+  microbatch and store rows."""
+  return {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
+          "params": params, "batch": batch, "mb": mb, "read_rows": read_rows,
+          "write_rows": write_rows}
+
+
 class TickLoop:
   """Lowers `prog`'s plan as one `lax.fori_loop` over its ticks."""
 
@@ -190,9 +198,7 @@ class TickLoop:
       for j, code in enumerate(seq[:p]):
         f = i * p + j
         if code:
-          c = branches[code]({"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc,
-                              "loss": c.loss, "params": params, "batch": batch, "mb": mb[f],
-                              "read_rows": read_rows[f], "write_rows": write_rows[f]})
+          c = branches[code](_operands(c, params, batch, mb[f], read_rows[f], write_rows[f]))
         c = self._regroup(c, regroup_rows[f])
       return c
 
@@ -205,7 +211,7 @@ class TickLoop:
       x = lax.dynamic_index_in_dim(stores[g.source], rows[n, 0], 0, keepdims=False)
       target = stores[g.target]
       y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape[1:], target.dtype))
-      stores[g.target] = lax.dynamic_update_index_in_dim(target, y, rows[n, 1], 0)
+      stores = _written(stores, [(g.target, y, rows[n, 1])])
     return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
   # -- the loop -------------------------------------------------------------
@@ -215,20 +221,19 @@ class TickLoop:
     """All ticks of the plan from the given gradient sums and loss (sums of every
     position the step adds to must be present)."""
     table = self.table
-    code, mb, read_rows, write_rows, send_rows, recv_rows, regroup_rows = (
-        jnp.asarray(x) for x in (table.code, table.mb, table.read_rows, table.write_rows,
-                                 table.send_rows, table.recv_rows, table.regroup_rows))
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
     stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
+    code, mb, read_rows, write_rows, send_rows, recv_rows, regroup_rows = (
+        jnp.asarray(x) for x in (table.code, table.mb, table.read_rows, table.write_rows,
+                                 table.send_rows, table.recv_rows, table.regroup_rows))
     rank = lax.axis_index("pp")
 
     def tick(i, c: LoopCarry) -> LoopCarry:
       def slot(s, c: LoopCarry) -> LoopCarry:
-        ops = {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
-               "params": params, "batch": batch, "mb": mb[i, rank, s],
-               "read_rows": read_rows[i, rank, s], "write_rows": write_rows[i, rank, s]}
+        ops = _operands(c, params, batch, mb[i, rank, s], read_rows[i, rank, s],
+                        write_rows[i, rank, s])
         out = lax.switch(code[i, rank, s], branches, ops)
         if self.write_after:
           out = LoopCarry(_written(c.stores, [(st, out.values[p], out.rows[p])

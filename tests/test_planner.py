@@ -110,7 +110,7 @@ def test_stages_sharing_a_device_keep_their_residuals_in_the_loops_stores():
   plan = types.SimpleNamespace(ticks=[[order]], tasks={t.label: t for t in order})
   report = types.SimpleNamespace(end={t.label: i + 1 for i, t in enumerate(order)})
   assert _stored_regions(plan) == {0}
-  assert _store_bytes(plan, report, {0: 100, 1: 10}) == 3 * 100 + 10
+  assert _store_bytes(plan, report, {0: 100, 1: 10}, {0}) == 3 * 100 + 10
 
 
 def test_stages_cut_regions_where_the_slowest_stage_is_fastest():

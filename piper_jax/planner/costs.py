@@ -275,8 +275,9 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   acts_of = [_peak_activations(plan, report, rank,
                                {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
              for rank in range(mesh.n_pp)]
-  if lowers_as_loop(plan) and mesh.n_pp == 1 and _stored_regions(plan):
-    acts_of = [_store_bytes(plan, report, {r: int(act[r] * scale) for r in act})]
+  stored = _stored_regions(plan) if lowers_as_loop(plan) and mesh.n_pp == 1 else set()
+  if stored:
+    acts_of = [_store_bytes(plan, report, {r: int(act[r] * scale) for r in act}, stored)]
   if lowers_as_loop(plan):
     # One program for every rank: each device allocates the stores of the rank that
     # keeps the most.
@@ -453,12 +454,12 @@ def _stored_regions(plan: Plan) -> set[int]:
   return stored
 
 
-def _store_bytes(plan: Plan, report, nbytes: Mapping[int, int]) -> int:
-  """A one-rank loop's activations when some regions' residuals live in its stores:
-  those stores whole for the step (a row per microbatch the schedule keeps alive, and
-  a scratch row), and beside them the largest residuals a chain keeps in its branch."""
-  stored = _stored_regions(plan)
-  rows = sum(_peak_activations(plan, report, 0, {**{q: 0 for q in nbytes}, r: nbytes[r]})
+def _store_bytes(plan: Plan, report, nbytes: Mapping[int, int], stored: set[int]) -> int:
+  """A one-rank loop's activations when the residuals of regions `stored`
+  (`_stored_regions`) live in its stores: those stores whole for the step (a row per
+  microbatch the schedule keeps alive, and a scratch row), and beside them the largest
+  residuals a chain keeps in its branch."""
+  rows = sum(_peak_activations(plan, report, 0, {q: nbytes[q] if q == r else 0 for q in nbytes})
              + nbytes[r] for r in stored)
   return int(rows + max((nbytes[r] for r in nbytes if r not in stored), default=0))
 
