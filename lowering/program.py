@@ -112,11 +112,13 @@ class Program:
   """The lowering of a plan; `body` is the shard_map body of one step."""
 
   def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout,
-               options: LoweringOptions | None = None, order_collectives: bool = False):
-    """`options.remat` and `options.write_stores_after_switch` None are taken as False
-    here; `pj.compile` resolves them."""
+               options: LoweringOptions | None = None, platform: str = "gpu"):
+    """`platform` ("cpu" or "gpu"): the devices the program is for. `options.remat` and
+    `options.write_stores_after_switch` None are taken as False here; `pj.compile`
+    resolves them."""
     self.options = options = options or LoweringOptions()
     self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
+    self.platform = platform
     self.model = runner.spec
     mesh = plan.mesh
     self.data_axes = mesh.data_axes
@@ -148,9 +150,9 @@ class Program:
     # conditional does not count as a collective: a device could enter a tick's switch
     # (with EP's all_to_all inside) while its peer still waits in the previous tick's
     # ppermute, and both wait forever. On CPU every tick's switch waits for the
-    # collectives before it (`order_collectives`, which `pj.compile` sets on CPU);
+    # collectives before it (`order_collectives`);
     # GPUs run one program order, where a ppermute may overlap the next tick's work.
-    self.order_collectives = order_collectives
+    self.order_collectives = platform == "cpu"
 
   def _analyze_regions(self, runner: RegionRunner, plan: Plan, options: LoweringOptions):
     """Each region's vjp analysis (`ad`) and backward split (`split`), traced once per
@@ -185,16 +187,17 @@ class Program:
       if r in backward:
         out_avals = runner.out_avals(r)
         cts = [out_avals[k] for k in self.ad[r].float_outs]
-        self.split[r] = split_backward(self.ad[r], cts, runner.axis_env, wide)
+        self.split[r] = split_backward(self.ad[r], cts, runner.axis_env, wide,
+                                       widen_operands=self.platform == "cpu")
 
   def sums(self) -> jax.Array:
     """Zero running sums of what a step reports: the loss, then each aux leaf."""
     return jnp.zeros((1 + len(self.traced.aux_outputs),), jnp.float32)
 
-  def compiler_options(self, platform: str) -> dict:
-    """XLA options for this program's step on `platform` (`jax.jit`'s `compiler_options`);
-    options that XLA_FLAGS already name are left to it."""
-    if platform != "gpu" or self.plan.n_ranks == 1:
+  def compiler_options(self, platform: str | None = None) -> dict:
+    """XLA options for this program's step on `platform` (default: the program's;
+    `jax.jit`'s `compiler_options`); options that XLA_FLAGS already name are left to it."""
+    if (platform or self.platform) != "gpu" or self.plan.n_ranks == 1:
       return {}
     named = set(re.findall(r"--(?:no)?(\w+)", os.environ.get("XLA_FLAGS", "")))
     return {k: v for k, v in PIPELINE_XLA_OPTIONS.items() if k not in named}

@@ -445,16 +445,18 @@ def _weight_grad_dots(eqns, outvars, grads) -> frozenset:
 @dataclasses.dataclass(frozen=True)
 class _Rewrite:
   """`eval_eqns`'s hook for B, BI and BW: column sums over at most `sum_rows` rows read
-  their operand through a barrier; the dots in `wide` write fp32."""
+  their operand through a barrier; the dots in `wide` write fp32 (from operands widened
+  first with `widen_operands`: XLA's CPU runtime has no bf16 x bf16 -> f32 dot)."""
 
   sum_rows: int
   wide: frozenset
+  widen_operands: bool = False
 
   def __call__(self, eqn, vals):
     if _column_sum(eqn, self.sum_rows):
       return [jax.lax.optimization_barrier(vals[0])], {}
     if eqn.primitive.name == "dot_general" and eqn.outvars[0] in self.wide:
-      if jax.default_backend() == "cpu":  # XLA's CPU runtime has no bf16 x bf16 -> f32 dot
+      if self.widen_operands:
         vals = [v.astype(jnp.float32) for v in vals]
       return vals, {"preferred_element_type": jnp.float32}
     return vals, {}
@@ -497,7 +499,8 @@ def _needed(eqns, outvars) -> list[bool]:
   return keep
 
 
-def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> BackwardSplit:
+def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False,
+                   widen_operands: bool = False) -> BackwardSplit:
   """Traces region B once and partitions its equations into BI and BW (B runs them all).
 
   BI hands BW the smallest values BW can remake what it reads from with cheap
@@ -505,7 +508,8 @@ def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> B
   gradient summed over at most `COLUMN_SUM_ROWS` rows reads its cotangent through a
   barrier (its own kernel, not fused into another reader of the cotangent). `wide`:
   bf16 weight-gradient GEMMs write fp32 (for gradients summed over microbatches: no
-  bf16 rounding before the sum).
+  bf16 rounding before the sum), reading fp32 copies of their operands with
+  `widen_operands` (on CPU).
   """
   def bwd(res, cts):
     d_params, d_acts = jax.tree_util.tree_unflatten(ad.res_tree, res)(list(cts))
@@ -530,7 +534,7 @@ def split_backward(ad: RegionAD, ct_avals, axis_env=(), wide: bool = False) -> B
     bw_eqns = [j.eqns[i] for i in sorted(bw_idx)]
   wide = _weight_grad_dots(j.eqns, j.outvars, j.outvars[:n_p]) if wide else frozenset()
   return BackwardSplit(j, list(closed.consts), bi_eqns, bw_eqns, carry, len(ad.res_avals), n_p,
-                       _Rewrite(COLUMN_SUM_ROWS, wide))
+                       _Rewrite(COLUMN_SUM_ROWS, wide, widen_operands))
 
 
 def _env(split: BackwardSplit, res, cts) -> dict:

@@ -136,8 +136,10 @@ class TrainStep:
   def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                directives: Sequence[Directive] | str, params: Any, example_batch: Any,
                devices: Sequence[jax.Device] | None = None,
-               options: LoweringOptions | None = None, has_aux: bool = False):
+               options: LoweringOptions | None = None, has_aux: bool = False,
+               platform: str | None = None):
     self.devices = list(jax.devices() if devices is None else devices)
+    self.platform: str = _platform(platform, self.devices[0])
     self.directives = load_directives(directives)
     self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, has_aux
     traced, plan = self._trace_and_plan(params, example_batch)
@@ -146,13 +148,12 @@ class TrainStep:
     self.batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
     self._traced = traced
     options = (options or LoweringOptions()).resolved(
-        pm.n_pp, self.devices[0].platform, sum(len(g) for g in pm.groups))
+        pm.n_pp, self.platform, sum(len(g) for g in pm.groups))
     self.options: LoweringOptions = options
     self._layout = layout = ParamLayout(traced.spec, plan, traced.param_casts(), options)
     axes = {k: SplitAxis(k, n, k) for k, n in pm.inner.items()}
     runner = RegionRunner(traced, pm.sharded, axes, pm.split_dims)
-    self._program = Program(runner, plan, layout, options,
-                            order_collectives=self.devices[0].platform == "cpu")
+    self._program = Program(runner, plan, layout, options, self.platform)
     grid = np.vectorize(lambda d: self.devices[d], otypes=[object])(np.array(pm.device_grid()))
     self.mesh = Mesh(grid, pm.axis_names)
     # ZeRO-1/2 with bf16-read weights keep the fp32 masters sharded like the gradients
@@ -251,7 +252,7 @@ class TrainStep:
     if compiler_options is None:
       device = self.devices[0]
       rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
-      compiler_options = self._program.compiler_options("rocm" if rocm else device.platform)
+      compiler_options = {} if rocm else self._program.compiler_options()
     return jax.jit(step_fn, in_shardings=(self._parts.state, [self._parts.batch] * n_batch),
                    out_shardings=(self._parts.state, NamedSharding(self.mesh, P())),
                    donate_argnums=0, compiler_options=dict(compiler_options) or None)
@@ -396,8 +397,8 @@ class TrainStep:
     return self._layout
 
   def compiler_options(self, platform: str | None = None) -> dict:
-    """The XLA options the step compiles with on `platform` (default: its devices')."""
-    return self._program.compiler_options(platform or self.devices[0].platform)
+    """The XLA options the step compiles with on `platform` (default: the step's)."""
+    return self._program.compiler_options(platform)
 
   def collectives(self) -> list[StepCollective]:
     """The collectives one step runs: read from the step's traced program (so they are
@@ -452,7 +453,7 @@ class TrainStep:
                f"on every device" if loop is not None else
                "tick by tick: one microbatch on one rank")
     return "\n".join([str(self.plan),
-                      f"lowered {lowered}",
+                      f"lowered for {self.platform}: {lowered}",
                       f"lowering options, resolved: {options}",
                       "collectives the compiled step runs (per step; in a switch, summed "
                       "over its branches, of which each device runs one):",
@@ -492,10 +493,17 @@ class TrainStep:
         [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype)
          for x in self._traced.spec.batch])
     return TrainStep(self.loss_fn, optimizer, self.directives, params, batch, self.devices,
-                     self.options, self.has_aux)
+                     self.options, self.has_aux, self.platform)
 
-  def lower(self, state: TrainState, batch: Any):
-    """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`."""
+  def trace(self, state: TrainState, batch: Any) -> jax.stages.Traced:
+    """The traced step (`.jaxpr`: the program piper-jax built, collectives included)."""
+    return self._step.trace(state, self._batch_leaves(batch))
+
+  def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+    """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`; a step built for
+    GPUs on other devices (`pj.compile(platform="gpu")`) is lowered for CUDA."""
+    if self.platform == "gpu" and self.devices[0].platform != "gpu":
+      return self.trace(state, batch).lower(lowering_platforms=("cuda",))
     return self._step.lower(state, self._batch_leaves(batch))
 
   def memory(self) -> CompiledMemory:
@@ -583,10 +591,20 @@ def _is_buffers(x) -> bool:
   return isinstance(x, Buffers)
 
 
+def _platform(platform: str | None, device: jax.Device) -> str:
+  """The platform a step is built for: `platform` if given, else `device`'s."""
+  if platform is None:
+    return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+  if platform not in ("cpu", "gpu"):
+    raise ValueError(f"platform must be 'cpu' or 'gpu' (or None: the devices'), got {platform!r}")
+  return platform
+
+
 def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directives,
             params: Any, example_batch: Any, devices: Sequence[jax.Device] | None = None,
             options: LoweringOptions | None = None, *, has_aux: bool = False,
-            remat: bool | None = None, compiler_options: dict | None = None) -> TrainStep:
+            remat: bool | None = None, compiler_options: dict | None = None,
+            platform: str | None = None) -> TrainStep:
   """Compiles a training step of `loss_fn(params, batch)` under a directive list.
 
   Args:
@@ -603,6 +621,9 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
       the defaults. None of them changes the numbers.
     remat, compiler_options: shorthands for the options of those names, which
       they replace when given.
+    platform: "cpu" or "gpu", the platform whose program to build; None: the devices'.
+      A GPU's step built on CPU devices runs there (fp32 models) and `step.lower`
+      lowers it for CUDA: the program a GPU would run, read on a machine without one.
 
   Returns:
     A `TrainStep`.
@@ -611,4 +632,4 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
            if v is not None}
   options = dataclasses.replace(options or LoweringOptions(), **given)
   return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, options,
-                   has_aux)
+                   has_aux, platform)

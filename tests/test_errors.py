@@ -130,6 +130,13 @@ def test_bad_directive_arguments():
     pj.load_directives([pj.split(2), object()])
 
 
+def test_unknown_platform():
+  params = init_mlp(jax.random.PRNGKey(0), 2)
+  with pytest.raises(ValueError, match="platform must be 'cpu' or 'gpu'.*'tpu'"):
+    pj.compile(mlp_loss(2), optimizer(), pj.strategies.data_parallel(2), params,
+               random_batch(jax.random.PRNGKey(1), 16), platform="tpu")
+
+
 def test_errors_come_before_compiling(monkeypatch):
   calls = []
   monkeypatch.setattr(jax, "jit", lambda *a, **k: calls.append(a) or (lambda *x: None))
