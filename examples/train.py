@@ -890,6 +890,10 @@ def run(args) -> dict:
   tokens_per_s = tokens_per_step * steps_timed / sum(t for _, t in windows) if windows else None
   if tokens_per_s is not None:
     print(f"mean throughput (after the first {args.log_every} steps): {tokens_per_s:,.0f} tok/s")
+  local = [d for d in step.devices if d.process_index == jax.process_index()]
+  peak = max(((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in local), default=0)
+  if peak:  # the allocator's count: what the run needed, --check included
+    print(f"peak device memory: {peak / 2**30:.1f} GiB")
   if args.save_hf:
     save_hf(args, step, state, config)
   return {"losses": losses, "tokens_per_s": tokens_per_s, "step": step,
