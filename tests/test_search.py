@@ -269,6 +269,33 @@ def test_estimate_divides_state_by_zero_stage():
 
 
 @pytest.mark.timeout(60)
+def test_a_loop_on_one_device_costs_its_launches_and_holds_the_loss_cotangent():
+  # Accumulation on one device launches every microbatch's matmuls from the host (F once,
+  # B twice): k microbatches cost k times that beside the same FLOPs. Its backward holds
+  # the loss cotangent (the logits') beside the residuals, as a pipeline's does.
+  loss, params, batch = _gpt(2)
+  tx = optax.adamw(1e-3)
+  model = measure_model(loss, tx, params, batch)
+  n_regions = len(model.spec.regions)
+  assert len(model.matmuls) == n_regions and all(n > 0 for n in model.matmuls.values())
+  per_mb = 3 * sum(model.matmuls.values())
+
+  def accumulation(k, launch):
+    costs = pj.strategies.CostModel(launch_overhead_s=launch, tick_overhead_s=0.0)
+    plan = pj.plan(loss, [pj.split(k)], params, batch, 1)
+    return estimate_plan(model, plan, costs, remat=False)
+
+  for k in (2, 4):
+    free, paid = accumulation(k, 0.0), accumulation(k, 1e-3)
+    assert paid.step_time - free.step_time == pytest.approx(k * per_mb * 1e-3, rel=1e-6)
+    assert model.loss_cotangent > 0
+    assert free.memory.working == pytest.approx(model.loss_cotangent / k, rel=0.01)
+  one = estimate_plan(model, pj.plan(loss, [], params, batch, 1),
+                      pj.strategies.CostModel(launch_overhead_s=1.0), remat=False)
+  assert one.step_time < 1.0 and one.memory.working == 0  # one microbatch: in the rate
+
+
+@pytest.mark.timeout(60)
 def test_the_optimizers_update_is_costed_by_the_bytes_each_device_updates():
   # Adam reads parameters, gradients and two moments and writes three (7 bytes per
   # parameter byte) once a step: ZeRO-1 over 2 replicas halves it, and it adds to the

@@ -42,6 +42,11 @@ class CostModel:
     tick_overhead_s: fixed time per tick of the plan (each tick is one step of the
       lowered loop: a launch and a round of messages), which makes many small
       microbatches cost something.
+    launch_overhead_s: fixed time per matmul a task launches from the host (with the
+      fused kernels around it), in a loop over microbatches on one rank, which runs
+      outside CUDA graphs: what makes many small microbatches slower than a few large
+      ones. (A pipeline's ticks run as graphs, and a step of one microbatch has it in
+      `flops_per_s`, a rate measured on such steps.)
     memory_bytes_per_s: bytes per second one device reads or writes its own memory.
       The optimizer's update is bound by it: every step reads each parameter, gradient
       and state byte a device updates and writes the parameters and state back, after
@@ -56,6 +61,7 @@ class CostModel:
   flops_per_s: float = 400e12
   link_bytes_per_s: float = 100e9
   tick_overhead_s: float = 20e-6
+  launch_overhead_s: float = 11e-6
   memory_bytes_per_s: float = 3e12
   region_times: RegionTimes | None = None
 
@@ -94,9 +100,10 @@ class MemoryEstimate:
       (a pipeline keeps them for the whole step; ZeRO-1/2's distributed optimizer
       gathers them whole from the sharded fp32 parameters).
     working: what the largest backward recomputes, beyond what its forward kept, of
-      the residuals remat dropped; in a pipeline, for the rank that computes the loss,
-      also the cotangent of the loss region's largest value (the logits: in fp32 and
-      again in the dtype they were made in), which its backward holds beside them.
+      the residuals remat dropped; in a loop over microbatches (a pipeline, accumulation,
+      stages sharing a device), for the rank that computes the loss, also the cotangent
+      of the loss region's largest value (the logits: in fp32 and again in the dtype
+      they were made in), which its backward holds beside them.
     grads_with_activations: gradients live beside the activations (a pipeline or
       accumulation over microbatches); else a single backward frees activations as it
       makes gradients and the peak holds the larger of the two.
@@ -200,6 +207,7 @@ class MeasuredModel:
   n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
   tp_size: int = 0                  # gcd of the dimensions named "tp" (0: none)
   casts: Mapping[int, str] = dataclasses.field(default_factory=dict)  # leaf -> dtype it is read in
+  matmuls: Mapping[int, int] = dataclasses.field(default_factory=dict)  # region -> its F's matmuls
   # remat -> region -> bytes kept from F for B, analysed on first use.
   _act_bytes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -235,9 +243,22 @@ def measure_model(loss_fn, optimizer, params, example_batch) -> MeasuredModel:
   casts = traced.param_casts()
   copy_ratio = {p: np.dtype(to).itemsize / np.dtype(spec.params[p].dtype).itemsize
                 for p, to in casts.items()}
+  matmuls = {r.index: _matmuls(eqns) for r, eqns in zip(spec.regions, (t.eqns for t in traced.regions))}
   return MeasuredModel(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1), copy_ratio,
                        RegionRunner(traced), _loss_cotangent(traced), ep_regions, n_experts,
-                       tp_size, dict(casts))
+                       tp_size, dict(casts), matmuls)
+
+
+def _matmuls(eqns) -> int:
+  """The matmuls among `eqns`, those of the functions they call included."""
+  n = 0
+  for e in eqns:
+    n += e.primitive.name == "dot_general"
+    for sub in e.params.values():
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        n += _matmuls(inner.eqns)
+  return n
 
 
 def _loss_cotangent(traced) -> int:
@@ -306,6 +327,10 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
     step = compute + comm + update
   else:
     step = max(compute, comm - exposed) + exposed + update
+    if plan.n_microbatches > 1:  # a B launches twice its F's matmuls
+      weight = {"F": 1, "B": 2, "BI": 1, "BW": 1}
+      step += costs.launch_overhead_s * sum(model.matmuls.get(t.region, 0) * weight.get(t.pass_.value, 0)
+                                            for t in plan.tasks.values())
   return Estimate(step, compute, comm, report.bubble_fraction, peak, update, plan)
 
 
@@ -367,7 +392,7 @@ def _rank_memory(model: MeasuredModel, plan: Plan, rank: int, costs: CostModel,
   p_bytes += sum(b for b, c in pieces if c > 1)  # split pieces with copies reduce too
   # A backward under remat first recomputes what its forward dropped.
   working = max((int((full[r] - act[r]) * scale) for r in regions), default=0) if remat else 0
-  if pipelined and any(spec.regions[r].produces_loss for r in regions):
+  if (pipelined or m > 1) and any(spec.regions[r].produces_loss for r in regions):
     working += int(model.loss_cotangent * scale)
   mem = MemoryEstimate(params, grads, opt, acts, copies, working,
                        grads_with_activations=pipelined or m > 1)
