@@ -77,7 +77,8 @@ def _written(stores: list, values) -> list:
   """`stores` with each (store, value, row) of `values` written into that row."""
   stores = list(stores)
   for st, x, row in values:
-    stores[st] = lax.dynamic_update_index_in_dim(stores[st], x, row, 0)
+    stores[st] = lax.dynamic_update_index_in_dim(stores[st], x, row, 0,
+                                                 allow_negative_indices=False)
   return stores
 
 
@@ -135,7 +136,7 @@ class TickLoop:
           return made[key]
         x = where[key]
         return lax.dynamic_index_in_dim(stores[kind.reads[x]], ops["read_rows"][x], 0,
-                                        keepdims=False)
+                                        keepdims=False, allow_negative_indices=False)
 
       step_params: StepParams = ops["params"]
       own = step_params.own
@@ -151,7 +152,8 @@ class TickLoop:
       grad_acc: dict = {}
       loss = ops["loss"]
       for t in tasks:
-        batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0)
+        batch = [lax.dynamic_slice_in_dim(ops["batch"][b], ops["mb"] * prog.mbs, prog.mbs, 0,
+                                          allow_negative_indices=False)
                  for b in prog.model.regions[t.region].batch]
         loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
       written = [(kind.writes[j], made[key].astype(stores[kind.writes[j]].dtype),
@@ -208,7 +210,8 @@ class TickLoop:
     """The table's regroups after a slot, in order, on the stores' rows `rows` gives."""
     stores = list(c.stores)
     for n, g in enumerate(self.table.regroups):
-      x = lax.dynamic_index_in_dim(stores[g.source], rows[n, 0], 0, keepdims=False)
+      x = lax.dynamic_index_in_dim(stores[g.source], rows[n, 0], 0, keepdims=False,
+                                   allow_negative_indices=False)
       target = stores[g.target]
       y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape[1:], target.dtype))
       stores = _written(stores, [(g.target, y, rows[n, 1])])
@@ -243,7 +246,7 @@ class TickLoop:
 
       c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
       got = [lax.ppermute([lax.dynamic_index_in_dim(c.stores[st], send_rows[i, rank, j, n], 0,
-                                                    keepdims=False)
+                                                    keepdims=False, allow_negative_indices=False)
                            for n, st in enumerate(rnd.stores)], "pp", perm=list(rnd.perm))
              for j, rnd in enumerate(table.rounds)]
       stores = _written(c.stores, [(st, got[j][n], recv_rows[i, rank, j, n])
