@@ -106,8 +106,6 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
 
   import piper_jax as pj
   data = json.load(open(path))
-  if isinstance(data, list):  # accumulation.py's rows
-    return _accumulation_predictions(path, data, seq_len, target or "H200")
   meta, rows = data["meta"], data["rows"]
   ok = [r for r in rows if "error" not in r]
   if target:
@@ -169,44 +167,6 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
   return out
 
 
-def _accumulation_predictions(path: str, rows: list[dict], seq_len: int, target: str) -> list[dict]:
-  """Estimates beside `accumulation.py`'s piper-jax rows (accumulation and stages sharing
-  one device; bf16 compute, cuDNN attention), for `target`'s card."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  import piper_jax as pj
-  from examples import gpt, qwen3
-  out = []
-  for r in rows:
-    if r["row"] not in ("split", "1f1b"):
-      continue
-    family = qwen3 if r["model"] in qwen3.PRESETS else gpt
-    config = family.get_config(r["model"], n_stages=2, dtype=jnp.bfloat16, attention="cudnn",
-                               **({"seq_len": seq_len} if seq_len else {}))
-    net = qwen3.make_model(config) if family is qwen3 else gpt.GPT(config)
-    params, batch = run.shapes(family, net, config, r["batch"])
-    k = r["microbatches"]
-    directives = [pj.split(k)]
-    if r["row"] == "1f1b":
-      directives += [pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [0])]
-      directives += pj.schedules.one_f_one_b(2, k)
-    est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4), params, batch,
-                                 directives, 1, costs=pj.strategies.CostModel.for_accelerator(target))
-    m = est.memory
-    out.append({"file": os.path.basename(path), "model": r["model"],
-                "variant": f"{r['row']} {r['batch']} / {k}", "measured_gib": r["memory_gib"],
-                "predicted_gib": m.total / 2**30, "params_gib": m.params / 2**30,
-                "grads_gib": m.grads / 2**30, "optimizer_gib": m.optimizer / 2**30,
-                "activations_gib": m.activations / 2**30, "copies_gib": m.weight_copies / 2**30,
-                "working_gib": m.working / 2**30,
-                "grads_with_activations": m.grads_with_activations,
-                "measured_ms": r["step_ms"], "predicted_ms": est.step_time * 1e3,
-                "update_ms": est.update_time * 1e3, "calibrated_ms": None})
-  return out
-
-
 def estimate_main(args) -> None:
   print("| model | variant | peak GiB measured | predicted (params, grads, optimizer, "
         "activations, weight copies, working; grads beside activations "
@@ -233,7 +193,8 @@ def estimate_main(args) -> None:
 
 def variant_of(c) -> str | None:
   """run.py's variant for a search candidate (None for accumulation without a pipeline,
-  and for expert parallelism over ZeRO without one, which run.py has no variant for)."""
+  whose `accum` rows are one per command's `--microbatches`, and for expert parallelism
+  over ZeRO without one, which run.py has no variant for)."""
   ep = c.plan.mesh.size("ep") > 1  # its expert regions split over devices
   if c.schedule == "dp":
     if c.n_microbatches > 1 or (ep and c.zero):

@@ -14,7 +14,10 @@ for MoE models, whose `jit-dp` routes the global batch as one group) and `shmap-
 (the same with each device's rows split into `--microbatches` / `--pp` microbatches,
 accumulated with `lax.scan`: plain JAX on the kernels a `--pp`-rank pipeline runs per
 task). piper-jax: `dp`, `zero1`, `zero2`, `zero3` over all devices (`dp@b25`: gradients
-all-reduced in 25 MB buckets during the backward), and `pp-SCHEDULE` (gpipe, 1f1b, zb,
+all-reduced in 25 MB buckets during the backward), `accum` (`[pj.split(--microbatches)]`
+beside `replicate`: gradient accumulation on every device; with `--pp 1` against
+`shmap-accum` over the same microbatches), `accum-1f1b` (the same with the model's two
+pipeline stages sharing each device, ordered 1F1B), and `pp-SCHEDULE` (gpipe, 1f1b, zb,
 interleaved, dualpipev) over `--pp` ranks times data parallel over the other devices,
 `@zK` for ZeRO-K on the data-parallel axis (default `--zero`). Interleaved and DualPipeV
 hold two stages per rank.
@@ -76,10 +79,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # examples/ holds the models
 
 BASELINES = ("jit-dp", "gspmd-fsdp", "shmap-dp", "shmap-accum")
-PIPER = ("dp", "zero1", "zero2", "zero3", "pp-gpipe", "pp-1f1b", "pp-zb", "pp-interleaved",
-         "pp-dualpipev")
+PIPER = ("dp", "zero1", "zero2", "zero3", "accum", "accum-1f1b", "pp-gpipe", "pp-1f1b", "pp-zb",
+         "pp-interleaved", "pp-dualpipev")
+_NOT_PIPELINES = BASELINES + PIPER[:6]
 # Which baseline each variant's ratio is taken against.
-_BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp"}
+_BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp", "accum": "shmap-accum",
+             "accum-1f1b": "shmap-accum"}
 # Variant suffixes besides "+rK" (a DP variant over K regions), "+L<blocks>-..." and
 # "+slotN"; the module docstring says what each does.
 _SUFFIXES = ("ep", "balanced", "bf16", "mask", "ac", "rbf16", "remat", "noremat", "nocast",
@@ -231,7 +236,8 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   base, mods = split_variant(variant)
   pipe = parse_pipeline(base, zero)
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
-  n_stages = pp * STAGES_PER_RANK[pipe[0]] if pipe else (regions[0] if regions else 1)
+  n_stages = (pp * STAGES_PER_RANK[pipe[0]] if pipe else 2 if base == "accum-1f1b"
+              else regions[0] if regions else 1)
   split = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
   if split:
     n_layers = _config(model, 1, layers=layers).n_layers
@@ -248,6 +254,11 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   if pipe:
     directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
                                         zero=pipe[1], reduce_dtype=reduce_dtype)
+  elif base in ("accum", "accum-1f1b"):  # accumulation on every device, stages sharing it
+    directives = [pj.split(microbatches), pj.replicate({}, list(range(n)), zero=zero,
+                                                       reduce_dtype=reduce_dtype)]
+    if base == "accum-1f1b":
+      directives += pj.schedules.one_f_one_b(n_stages, microbatches)
   else:
     name, _, bucket = base.partition("@b")  # "dp@b25": 25 MB gradient buckets
     if name not in PIPER[:4]:
@@ -280,11 +291,12 @@ def accumulated_value_and_grad(loss_fn, accumulate: int):
 
   def value_and_grad(p, b):
     mbs = tree_map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), b)
-    # The first microbatch starts the sum, so the carry has the values' own types
-    # (under shard_map, device-varying ones).
-    first = grad_fn(p, tree_map(lambda x: x[0], mbs))
+    # The sum starts at zero inside the scan: one copy of the microbatch's program, and
+    # no microbatch's activations outside it.
+    shapes = jax.eval_shape(grad_fn, p, tree_map(lambda x: x[0], mbs))
+    zero = tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     body = lambda total, mb: (tree_map(jnp.add, total, grad_fn(p, mb)), None)
-    total, _ = jax.lax.scan(body, first, tree_map(lambda x: x[1:], mbs))
+    total, _ = jax.lax.scan(body, zero, mbs)
     return tree_map(lambda x: x / accumulate, total)
 
   return value_and_grad
@@ -392,7 +404,7 @@ def baseline_call(base: str, devices, loss_fn, tx, params, microbatches: int, pp
     # Data parallel as a JAX user writes it with shard_map: each device runs the loss
     # on its own rows (a MoE routes its own tokens, as under piper-jax), then pmean.
     from jax import lax
-    from piper_jax.lowering.compat import shard_map
+    from piper_jax.lowering.compat import shard_map_unchecked  # zero sums are not device-varying
     accumulate = 1
     if base == "shmap-accum":  # a pipeline device's rows per task at a time
       accumulate = microbatches // pp
@@ -402,7 +414,7 @@ def baseline_call(base: str, devices, loss_fn, tx, params, microbatches: int, pp
             f"= {microbatches}/{pp} microbatches: pick numbers that divide evenly")
     local_step = lambda state, b: train_step(state, b, mean=lambda x: lax.pmean(x, "d"),
                                              accumulate=accumulate)
-    call = jax.jit(shard_map(local_step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())),
+    call = jax.jit(shard_map_unchecked(local_step, mesh, (P(), P("d")), (P(), P())),
                    donate_argnums=0)
     return call, (rep(params), rep(opt_shapes), bsh)
   if base == "jit-dp":
@@ -697,23 +709,24 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of result rows; `baseline_of(variant, model)` names the row each ratio
   is against."""
   head = ("| model | variant | devices | step ms | blocked ms | host ms | sim ms | tok/s | vs baseline "
-          "| MFU | peak GiB | compile s |")
-  lines = [head, "|" + "---|" * 12]
+          "| MFU | peak GiB | XLA GiB | compile s |")
+  lines = [head, "|" + "---|" * 13]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | | | | | {r['error']} | | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | | | | | {r['error']} | | | | | |")
       continue
     name, b = baseline_row(base, r["variant"], r["model"], baseline_of)
     ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {name}" if b else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+    xla = f"{r['xla_gib']:.2f}" if r.get("xla_gib") else "-"
     sim = r.get("sim_timed_ms") or r.get("sim_ms")
     sim = f"{sim:.1f}" if sim else "-"
     blocked = f"{r['step_ms_blocked']:.1f}" if r.get("step_ms_blocked") else "-"
     host = f"{r['dispatch_ms']:.1f}" if r.get("dispatch_ms") else "-"
     lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['step_ms']:.1f} | {blocked} | {host} | {sim} | "
-                 f"{r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {mfu} | {peak} | {r['compile_s']:.1f} |")
+                 f"{r['tokens_per_s'] / 1e3:.1f}k | {ratio} | {mfu} | {peak} | {xla} | {r['compile_s']:.1f} |")
   return "\n".join(lines)
 
 
@@ -802,7 +815,7 @@ def main(argv=None):
     if "xla" in mods and not args.xla_flags:
       raise ValueError(f"{v!r}: +xla runs the variant with --xla-flags added to XLA_FLAGS; "
                        "give --xla-flags")
-    if base.partition("@")[0] not in BASELINES + PIPER[:4]:
+    if base.partition("@")[0] not in _NOT_PIPELINES:
       parse_pipeline(base, args.zero)
   _setup_cpu(args.small)
   if args.child and args.mock_gpus:  # before JAX starts its backend

@@ -267,7 +267,7 @@ def test_planner_names_run_variants_of_search_candidates():
       schedule=schedule, dp=dp, zero=zero, n_microbatches=mb,
       plan=types.SimpleNamespace(mesh=mesh(dp if ep else 1)))
   assert planner.variant_of(c("dp", 4, 1, 1)) == "zero1" and planner.variant_of(c("dp", 4, 0, 1)) == "dp"
-  assert planner.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: run.py has no such row
+  assert planner.variant_of(c("dp", 4, 3, 2)) is None  # accumulation: a row per --microbatches
   assert planner.variant_of(c("1f1b", 2, 3, 8)) == "pp-1f1b@z3"
   assert planner.variant_of(c("dualpipev", 1, 0, 8)) == "pp-dualpipev"
   # Expert parallel: run.py's +ep rows, which have no ZeRO without a pipeline.
@@ -354,3 +354,23 @@ def test_compile_only_counts_memory_without_running():
   assert "| tiny | pp-1f1b@z1 | 8 |" in text and "x jit-dp |" in text
   with pytest.raises(ValueError, match="add --compile-only"):
     run.main(["--small", "--mock-gpus", "4", "--variants", "jit-dp"])
+
+
+def test_accumulation_rows_against_plain_scan():
+  # run.py's `accum` is piper-jax's gradient accumulation on every device, `accum-1f1b`
+  # the same with the model's two stages sharing each device; both against `shmap-accum`
+  # (plain lax.scan accumulation over the same microbatches), whose memory `accum` keeps.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  assert run.BASELINE_OF("accum") == run.BASELINE_OF("accum-1f1b") == "shmap-accum"
+  _, _, directives = run.build("accum-1f1b", "tiny", 8, 4, pp=1)
+  assert [type(d).__name__ for d in directives[:2]] == ["Split", "Replicate"]
+  assert type(directives[-1]).__name__ == "Order"
+  rows = {v: run.compile_variant(v, "tiny", batch=32, microbatches=4, pp=1)
+          for v in ("shmap-accum", "accum", "accum-1f1b")}
+  assert rows["accum"]["microbatches"] == rows["accum-1f1b"]["microbatches"] == 4
+  # Over 8 CPU devices slots hold 64 MiB and XLA's CPU program copies the weights it
+  # slices out of them (on one device, a slot per leaf: tests/test_memory.py, 1.1x).
+  assert rows["accum"]["xla_gib"] <= 1.25 * rows["shmap-accum"]["xla_gib"]
+  assert rows["accum"]["xla_gib"] < rows["accum-1f1b"]["xla_gib"]
+  assert "x shmap-accum |" in run.compile_table(list(rows.values()))
