@@ -326,12 +326,18 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   if mesh.n_pp > 1:
     step = compute + comm + update
   else:
-    step = max(compute, comm - exposed) + exposed + update
-    if plan.n_microbatches > 1:  # a B launches twice its F's matmuls
-      weight = {"F": 1, "B": 2, "BI": 1, "BW": 1}
-      step += costs.launch_overhead_s * sum(model.matmuls.get(t.region, 0) * weight.get(t.pass_.value, 0)
-                                            for t in plan.tasks.values())
+    step = max(compute, comm - exposed) + exposed + update + _launch_seconds(model, plan, costs)
   return Estimate(step, compute, comm, report.bubble_fraction, peak, update, plan)
+
+
+def _launch_seconds(model: MeasuredModel, plan: Plan, costs: CostModel) -> float:
+  """A one-rank loop's launches: each task's matmuls (a B's twice its F's) at
+  `launch_overhead_s`; none for a step of one microbatch (in the rate) or a pipeline."""
+  if plan.mesh.n_pp > 1 or plan.n_microbatches == 1:
+    return 0.0
+  weight = {"F": 1, "B": 2, "BI": 1, "BW": 1}
+  return costs.launch_overhead_s * sum(model.matmuls.get(t.region, 0) * weight[t.pass_.value]
+                                       for t in plan.tasks.values() if t.pass_.value in weight)
 
 
 def _simulated_compute(model: MeasuredModel, plan: Plan, costs: CostModel, rows: int,
