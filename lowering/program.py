@@ -194,6 +194,13 @@ class Program:
     """Zero running sums of what a step reports: the loss, then each aux leaf."""
     return jnp.zeros((1 + len(self.traced.aux_outputs),), jnp.float32)
 
+  @property
+  def gpu_only(self) -> bool:
+    """Whether the program holds bf16 GEMMs that write fp32 (summed weight gradients on
+    a GPU), which XLA's CPU runtime cannot run."""
+    return any(s.prepare is not None and s.prepare.wide and not s.prepare.widen_operands
+               for s in self.split.values())
+
   def compiler_options(self, platform: str | None = None) -> dict:
     """XLA options for this program's step on `platform` (default: the program's;
     `jax.jit`'s `compiler_options`); options that XLA_FLAGS already name are left to it."""

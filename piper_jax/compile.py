@@ -358,6 +358,7 @@ class TrainStep:
         memory for it: a step over several GPUs that runs short can hang instead of
         failing.
     """
+    self._check_runs_here()
     if self._compiled is None and len(self.devices) > 1 and self.devices[0].platform == "gpu":
       local = [d for d in self.devices if d.process_index == jax.process_index()]
       problem = self.memory().shortfall([d.memory_stats() or {} for d in local])
@@ -495,6 +496,15 @@ class TrainStep:
     return TrainStep(self.loss_fn, optimizer, self.directives, params, batch, self.devices,
                      self.options, self.has_aux, self.platform)
 
+  def _check_runs_here(self) -> None:
+    """Refuses a GPU's program that these devices cannot run, before one device fails
+    and its peers wait for it in a collective."""
+    if self._program.gpu_only and self.devices[0].platform == "cpu":
+      raise ValueError(
+          "this step was built with platform='gpu' and its bf16 weight-gradient GEMMs "
+          "write fp32, which XLA's CPU runtime cannot run: run it on GPUs, build it for "
+          "these devices (drop platform=), or read it here with step.trace / step.lower")
+
   def trace(self, state: TrainState, batch: Any) -> jax.stages.Traced:
     """The traced step (`.jaxpr`: the program piper-jax built, collectives included)."""
     return self._step.trace(state, self._batch_leaves(batch))
@@ -517,6 +527,7 @@ class TrainStep:
     `jax.jit(f).lower(...).compile()` does; every later call runs this program, so the
     first step is a step and compile time is measured here. Returns the compiled step
     (`.as_text()`, `.memory_analysis()`, `.cost_analysis()`)."""
+    self._check_runs_here()
     if self._compiled is None:
       abstract = lambda shapes, shardings: jax.tree_util.tree_map(
           lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -622,8 +633,9 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
     remat, compiler_options: shorthands for the options of those names, which
       they replace when given.
     platform: "cpu" or "gpu", the platform whose program to build; None: the devices'.
-      A GPU's step built on CPU devices runs there (fp32 models) and `step.lower`
-      lowers it for CUDA: the program a GPU would run, read on a machine without one.
+      A GPU's step built on CPU devices runs there (refused where it holds bf16 GEMMs
+      writing fp32, which the CPU cannot run) and `step.lower` lowers it for CUDA: the
+      program a GPU would run, read on a machine without one.
 
   Returns:
     A `TrainStep`.

@@ -17,6 +17,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import piper_jax as pj
@@ -124,9 +125,12 @@ def test_gpu_weight_gradient_gemms_write_fp32():
   loss, params = gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
   batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8, pattern_seed=1)
 
+  steps = {}
+
   def wide_dots(platform):
-    step = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4, "1f1b"), params, batch,
-                      devices=jax.devices()[:2], platform=platform)
+    steps[platform] = step = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4, "1f1b"),
+                                        params, batch, devices=jax.devices()[:2],
+                                        platform=platform)
     text = step.trace(step.init(params), batch).lower(lowering_platforms=("cuda",)).as_text()
     # (lhs, rhs) -> out: bf16 operands, fp32 result; weight gradients are 2-D.
     return re.findall(r"stablehlo\.dot_general .*: \(tensor<[\dx]+xbf16>, tensor<[\dx]+xbf16>\) "
@@ -134,6 +138,14 @@ def test_gpu_weight_gradient_gemms_write_fp32():
 
   assert wide_dots("gpu")
   assert not wide_dots("cpu")
+  # The CPU cannot run such a dot: the GPU's step is refused here before one device fails
+  # and its peer waits for it in a collective; the CPU's runs.
+  gpu, cpu = steps["gpu"], steps["cpu"]
+  with pytest.raises(ValueError, match="platform='gpu'.*cannot run.*drop platform="):
+    gpu(gpu.init(params), batch)
+  with pytest.raises(ValueError, match="cannot run"):
+    gpu.memory()
+  assert np.isfinite(float(cpu(cpu.init(params), batch)[1]))
 
 
 @pytest.mark.parametrize("dp,zero", [(1, 0), (2, 2)])
