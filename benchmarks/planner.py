@@ -94,19 +94,24 @@ def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_le
 
 
 def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 0,
-            calibrate: str | None = None, target: str | None = None) -> list[dict]:
+            calibrate: str | None = None, target: str | None = None,
+            stacked: bool = False) -> list[dict]:
   """Rows of estimates for a raw file; `seq_len` and `layers` stand in for a file whose
   meta does not say them (run.py's before it recorded them). With `calibrate` (a cache
   file), step times also come from each region's F and B timed on this machine's first
   device at the row's microbatch rows (`pj.calibrate`, with the row's attention). With
   `target` (a card's name), the costs are `CostModel.for_accelerator(target)`'s, nothing
-  measured: what a machine without the cards predicts."""
+  measured: what a machine without the cards predicts. `stacked`: the rows ran with
+  uneven slots stacked over the pipeline ranks (`spread_uneven_slots=False`, the default
+  before they were spread)."""
   import jax
   import optax
 
   import piper_jax as pj
   data = json.load(open(path))
   meta, rows = data["meta"], data["rows"]
+  options_of = lambda mods: dataclasses.replace(run.lowering_options(mods),
+                                                **({"spread_uneven_slots": False} if stacked else {}))
   ok = [r for r in rows if "error" not in r]
   if target:
     costs, base = pj.strategies.CostModel.for_accelerator(target), {"target": target}
@@ -133,7 +138,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
     remat = True if "remat" in mods else False if "noremat" in mods else None
     est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
                                  batch, directives, n, costs=costs, remat=remat,
-                                 options=run.lowering_options(mods))
+                                 options=options_of(mods))
     m = est.memory
     timed_ms = None
     if calibrate:
@@ -150,7 +155,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
       timed = pj.strategies.estimate(
           family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params, batch, directives,
           n, costs=dataclasses.replace(costs, region_times=times), remat=remat,
-          options=run.lowering_options(mods))
+          options=options_of(mods))
       timed_ms = timed.step_time * 1e3
     out.append({"file": os.path.basename(path), "model": model, "variant": variant,
                 # --compile-only rows ran nothing: XLA's count is what they measured.
@@ -175,7 +180,7 @@ def estimate_main(args) -> None:
   print("| --- | --- | --- | --- | --- | --- | --- |")
   for path in args.files:
     for p in predict(path, args.link_gbps * 1e9, args.seq_len, args.layers, args.calibrate,
-                     args.target):
+                     args.target, args.stacked):
       parts = ", ".join(f"{p[k]:.2f}" for k in ("params_gib", "grads_gib", "optimizer_gib",
                                                 "activations_gib", "copies_gib", "working_gib"))
       parts += "; " + ("beside" if p["grads_with_activations"] else "larger")
@@ -408,6 +413,9 @@ def main(argv=None):
   est.add_argument("--target", default=None, metavar="CARD",
                    help="cost for this card (pj.planner.ACCELERATORS) instead of the FLOP/s "
                         "the file's baseline measured: a prediction made without the cards")
+  est.add_argument("--stacked", action="store_true",
+                   help="the rows ran with uneven slots stacked over the pipeline ranks "
+                        "(spread_uneven_slots=False, the default before they were spread)")
   pk = sub.add_parser("pick", parents=[costed],
                       help="what strategies.search picks, beside the measured rows")
   pk.add_argument("files", nargs="+", help="raw JSON files of run.py from one machine and "

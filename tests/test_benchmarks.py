@@ -334,6 +334,10 @@ def test_planner_estimates_expert_parallel_rows(tmp_path):
   (p,) = planner.predict(str(raw), 300e9)
   assert p["measured_gib"] == 0.07 and p["measured_ms"] is None and p["predicted_ms"] is None
   assert p["predicted_gib"] == out["pp-1f1b+ep"]["predicted_gib"]
+  # --stacked: rows that ran with uneven slots stacked over the ranks, each rank padded
+  # to the largest (the embedding's), not spread over all devices.
+  (stacked,) = planner.predict(str(raw), 300e9, stacked=True)
+  assert stacked["params_gib"] > p["params_gib"]
 
 
 @pytest.mark.timeout(300)
