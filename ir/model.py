@@ -36,6 +36,7 @@ class RegionSpec:
   flops: float = 0.0                   # forward FLOPs for the whole batch
   # Of those, the FLOPs its backward runs again (what jax.checkpoint leaves to recompute).
   recompute_flops: float = 0.0
+  matmuls: int = 0                     # its forward's matmuls (kernels a task launches)
 
   @property
   def name(self) -> str:

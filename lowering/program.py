@@ -146,13 +146,6 @@ class Program:
       self.tick_loop = None
       self._plan_values()
     self._passes: dict[tuple, Any] = {}
-    # XLA's CPU runtime runs independent operations concurrently, in any order, and a
-    # conditional does not count as a collective: a device could enter a tick's switch
-    # (with EP's all_to_all inside) while its peer still waits in the previous tick's
-    # ppermute, and both wait forever. On CPU every tick's switch waits for the
-    # collectives before it (`order_collectives`);
-    # GPUs run one program order, where a ppermute may overlap the next tick's work.
-    self.order_collectives = platform == "cpu"
 
   def _analyze_regions(self, runner: RegionRunner, plan: Plan, options: LoweringOptions):
     """Each region's vjp analysis (`ad`) and backward split (`split`), traced once per
@@ -193,6 +186,16 @@ class Program:
   def sums(self) -> jax.Array:
     """Zero running sums of what a step reports: the loss, then each aux leaf."""
     return jnp.zeros((1 + len(self.traced.aux_outputs),), jnp.float32)
+
+  @property
+  def order_collectives(self) -> bool:
+    """Whether each tick waits for the collectives before it: on CPU only. XLA's CPU
+    runtime runs independent operations concurrently, in any order, and a conditional
+    does not count as a collective: a device could enter a tick's switch (with EP's
+    all_to_all inside) while its peer still waits in the previous tick's ppermute, and
+    both wait forever. GPUs run one program order, where a ppermute may overlap the
+    next tick's work."""
+    return self.platform == "cpu"
 
   @property
   def gpu_only(self) -> bool:

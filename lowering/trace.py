@@ -74,6 +74,13 @@ def _eqn_flops(eqn) -> float:
   return sum(_eqn_flops(e) for e in _sub_eqns(eqn))
 
 
+def _eqn_matmuls(eqn) -> int:
+  """Matmuls of an equation, recursing into sub-jaxprs."""
+  if eqn.primitive.name == "dot_general":
+    return 1
+  return sum(_eqn_matmuls(e) for e in _sub_eqns(eqn))
+
+
 # The primitives of `jax.checkpoint` / `nn.remat`: the backward runs their forward again.
 _CHECKPOINT_PRIMITIVES = ("checkpoint", "remat2")  # jax.checkpoint's names across versions
 
@@ -287,7 +294,8 @@ class TracedLoss:
           index=i, tags=r.tags, params=tuple(param_idx[v] for v in r.param_vars),
           batch=tuple(batch_idx[v] for v in r.batch_vars), inputs=tuple(inputs), outputs=outs,
           produces_loss=(i == self.loss_region), flops=sum(_eqn_flops(e) for e in r.eqns),
-          recompute_flops=sum(_recompute_flops(e) for e in r.eqns)))
+          recompute_flops=sum(_recompute_flops(e) for e in r.eqns),
+          matmuls=sum(_eqn_matmuls(e) for e in r.eqns)))
     return ModelSpec(
         regions=tuple(specs),
         params=tuple(_spec(n, a, names)

@@ -207,7 +207,6 @@ class MeasuredModel:
   n_experts: int = 0                # experts every EP region's leaves split over (their gcd)
   tp_size: int = 0                  # gcd of the dimensions named "tp" (0: none)
   casts: Mapping[int, str] = dataclasses.field(default_factory=dict)  # leaf -> dtype it is read in
-  matmuls: Mapping[int, int] = dataclasses.field(default_factory=dict)  # region -> its F's matmuls
   # remat -> region -> bytes kept from F for B, analysed on first use.
   _act_bytes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -243,22 +242,9 @@ def measure_model(loss_fn, optimizer, params, example_batch) -> MeasuredModel:
   casts = traced.param_casts()
   copy_ratio = {p: np.dtype(to).itemsize / np.dtype(spec.params[p].dtype).itemsize
                 for p, to in casts.items()}
-  matmuls = {r.index: _matmuls(eqns) for r, eqns in zip(spec.regions, (t.eqns for t in traced.regions))}
   return MeasuredModel(spec, spec.batch_size, pp, pp_flops, o_bytes / max(p_bytes, 1), copy_ratio,
                        RegionRunner(traced), _loss_cotangent(traced), ep_regions, n_experts,
-                       tp_size, dict(casts), matmuls)
-
-
-def _matmuls(eqns) -> int:
-  """The matmuls among `eqns`, those of the functions they call included."""
-  n = 0
-  for e in eqns:
-    n += e.primitive.name == "dot_general"
-    for sub in e.params.values():
-      inner = getattr(sub, "jaxpr", sub)
-      if hasattr(inner, "eqns"):
-        n += _matmuls(inner.eqns)
-  return n
+                       tp_size, dict(casts))
 
 
 def _loss_cotangent(traced) -> int:
@@ -336,7 +322,8 @@ def _launch_seconds(model: MeasuredModel, plan: Plan, costs: CostModel) -> float
   if plan.mesh.n_pp > 1 or plan.n_microbatches == 1:
     return 0.0
   weight = {"F": 1, "B": 2, "BI": 1, "BW": 1}
-  return costs.launch_overhead_s * sum(model.matmuls.get(t.region, 0) * weight[t.pass_.value]
+  regions = model.spec.regions
+  return costs.launch_overhead_s * sum(regions[t.region].matmuls * weight[t.pass_.value]
                                        for t in plan.tasks.values() if t.pass_.value in weight)
 
 
