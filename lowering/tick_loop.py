@@ -32,6 +32,7 @@ from jax import lax
 from piper_jax.ir.graph import Pass
 from piper_jax.lowering.buffers import StepParams
 from piper_jax.lowering.layout import signature
+from piper_jax.lowering.phases import Phases
 from piper_jax.lowering.schedule_table import ScheduleTable, TaskKind, build_table
 
 if TYPE_CHECKING:
@@ -115,6 +116,10 @@ class TickLoop:
     self.period = self.table.period
     # Without a switch, branches write the stores in place.
     self.write_after = bool(prog.options.write_stores_after_switch) and self.period is None
+    # Tensor parallel's all-reduces sit between a pass's equations: a switch over kinds
+    # is cut at them (`Phases`, made when the loop is traced).
+    self.cuts_at_collectives = "tp" in prog.plan.mesh.inner and self.period is None
+    self.phases: Phases | None = None
 
   # -- the branches ---------------------------------------------------------
 
@@ -217,6 +222,15 @@ class TickLoop:
       stores = _written(stores, [(g.target, y, rows[n, 1])])
     return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
+  def _switch(self, index, branches, ops):
+    """`lax.switch` over the kinds; where tasks hold collectives (tensor parallel's),
+    run phase by phase with the collectives between the phases (`Phases`)."""
+    if not self.cuts_at_collectives:
+      return lax.switch(index, branches, ops)
+    if self.phases is None:
+      self.phases = Phases(branches, ops)
+    return self.phases.switch(index, ops)
+
   # -- the loop -------------------------------------------------------------
 
   def run(self, params: StepParams, batch: list, acc: dict, split_acc: dict,
@@ -237,7 +251,7 @@ class TickLoop:
       def slot(s, c: LoopCarry) -> LoopCarry:
         ops = _operands(c, params, batch, mb[i, rank, s], read_rows[i, rank, s],
                         write_rows[i, rank, s])
-        out = lax.switch(code[i, rank, s], branches, ops)
+        out = self._switch(code[i, rank, s], branches, ops)
         if self.write_after:
           out = LoopCarry(_written(c.stores, [(st, out.values[p], out.rows[p])
                                               for p, (st, _) in enumerate(self.positions)]),

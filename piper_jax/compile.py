@@ -453,6 +453,11 @@ class TrainStep:
                f"{len(loop.table.stores)} value stores of {loop.table.store_bytes / 2**20:.1f} MiB "
                f"on every device" if loop is not None else
                "tick by tick: one microbatch on one rank")
+    if loop is not None and loop.cuts_at_collectives:
+      phases = loop.phases
+      lowered += ("; each slot's switch cut at tensor parallel's collectives, which run "
+                  "between its phases" + (f" ({phases.n} phases, {len(phases.cut_kinds)} "
+                                          f"kinds cut)" if phases else " (once traced)"))
     return "\n".join([str(self.plan),
                       f"lowered for {self.platform}: {lowered}",
                       f"lowering options, resolved: {options}",

@@ -13,7 +13,7 @@ import optax
 
 import piper_jax as pj
 from examples import gpt
-from models import assert_same_run, moe_gpt as _moe, tp_gpt as _tp_gpt
+from models import assert_same_run, collectives_in_conditionals, moe_gpt as _moe, tp_gpt as _tp_gpt
 
 # Adam moves a weight whose gradient is at rounding level (an expert that few tokens
 # reach) by a full step of that noise with eps=1e-8; eps=1e-6 keeps the comparison
@@ -138,6 +138,9 @@ def test_pp2_x_ep2_x_tp2(batches_of):
   assert mesh.axis_names == ("dp", "ep", "tp", "pp") and dict(mesh.inner) == {"ep": 2, "tp": 2}
   kinds = {k for _, _, k in step.layout.split_positions}
   assert kinds == {"ep", "tp"}
+  # All-to-alls after each slot's switch, all-reduces between its phases: none inside.
+  hlo = step.lower(state, gpt.random_batch(config, jax.random.PRNGKey(0), 8)).compile().as_text()
+  assert collectives_in_conditionals(hlo) == []
 
 
 def _plan(loss, params, config, directives, batch=8, n_devices=8):

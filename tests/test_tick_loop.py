@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import piper_jax as pj
-from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch, tp_gpt
+from models import (assert_same_run, collectives_in_conditionals, init_mlp, mlp_loss, moe_gpt,
+                    random_batch, tp_gpt)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -159,37 +160,6 @@ def test_accumulation_and_expert_pipelines_do_not_grow_with_microbatches(plan, b
   assert calls4 == calls16 and abs(size16 - size4) < 0.05 * size4, sizes
 
 
-_COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                   "collective-permute")
-
-
-def _collectives_in_conditionals(hlo: str) -> list[str]:
-  """The collectives the compiled program runs inside a conditional's branches
-  (following the computations they call), by HLO opcode."""
-  comps: dict[str, list[str]] = {}
-  cur = None
-  for line in hlo.splitlines():
-    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-    if m:
-      cur = comps.setdefault(m.group(1), [])
-    elif cur is not None:
-      cur.append(line)
-  called = lambda line: re.findall(r"%([\w.\-]+)", " ".join(re.findall(
-      r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
-  found, seen = [], set()
-  todo = [c for lines in comps.values() for line in lines if " conditional(" in line
-          for c in re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1])]
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      found += [op for op in _COLLECTIVE_OPS if re.search(rf"\b{op}(-start)?\(", line)]
-      todo += called(line)
-  return found
-
-
 @pytest.mark.parametrize("directives,n_devices", [
     (pj.strategies.pipeline(2, 4, "1f1b", dp=2, zero=1), 4),
     (pj.strategies.pipeline(2, 4, "zb", dp=2, zero=3), 4),
@@ -208,7 +178,7 @@ def test_no_collective_inside_the_loops_conditionals(directives, n_devices):
                     devices=jax.devices()[:n_devices])
   hlo = step.lower(step.init(params), batch).compile().as_text()
   assert step.tick_loop and (" conditional(" in hlo) == (step.schedule_table.period is None)
-  assert _collectives_in_conditionals(hlo) == []
+  assert collectives_in_conditionals(hlo) == []
   assert re.search(r"\b(all-reduce|reduce-scatter|collective-permute)(-start)?\(", hlo)
 
 
@@ -224,7 +194,7 @@ def test_accumulation_with_experts_or_tensors_split_has_no_switch(batches_of):
     assert step.schedule_table.period is not None
     import models
     hlo = step.lower(state, models.random_batch(jax.random.PRNGKey(0), 16)).compile().as_text()
-    assert _collectives_in_conditionals(hlo) == [], model
+    assert collectives_in_conditionals(hlo) == [], model
 
 
 @pytest.mark.parametrize("schedule,n_stages", [("1f1b", 2), ("dualpipev", 4)])
@@ -239,5 +209,29 @@ def test_an_expert_parallel_pipelines_all_to_alls_run_outside_its_conditionals(
   batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8)
   step = pj.compile(loss, optax.sgd(0.1), directives, params, batch, devices=jax.devices()[:4])
   hlo = step.lower(step.init(params), batch).compile().as_text()
-  assert _collectives_in_conditionals(hlo) == []
+  assert collectives_in_conditionals(hlo) == []
   assert re.search(r"\ball-to-all(-start)?\(", hlo)
+
+
+@pytest.mark.parametrize("how", ["1f1b-dp2-tp2", "zb-dp2-tp2-in-place", "stages-sharing-dp2-tp2"])
+def test_a_tensor_parallel_pipelines_all_reduces_run_outside_its_conditionals(batches_of, how):
+  # A slot's branches are cut at tensor parallel's all-reduces (`Phases`): each phase a
+  # switch, the all-reduces between them on every device.
+  config, loss, params = tp_gpt(2)
+  batches_of(config)
+  options = pj.LoweringOptions(write_stores_after_switch="in-place" not in how and None)
+  if how != "stages-sharing-dp2-tp2":
+    directives = pj.strategies.pipeline(2, 4, how.split("-")[0], dp=4, zero=1)
+    directives.append(pj.shard_tensor({}, [0, 2, 1, 3]))
+    n_devices = 8
+  else:
+    directives = [pj.split(4), pj.replicate({}, [0, 1, 2, 3], zero=1),
+                  *pj.schedules.one_f_one_b(2, 4), pj.shard_tensor({}, [0, 1])]
+    n_devices = 4
+  step, state = assert_same_run(loss, params, directives, batch_size=8, options=options,
+                                devices=jax.devices()[:n_devices])
+  assert step.schedule_table.period is None and step.describe().count("phase") >= 1
+  import models
+  hlo = step.lower(state, models.random_batch(jax.random.PRNGKey(0), 8)).compile().as_text()
+  assert " conditional(" in hlo and re.search(r"\ball-reduce(-start)?\(", hlo)
+  assert collectives_in_conditionals(hlo) == []
