@@ -13,10 +13,10 @@ iterations like the others.
 
 After each slot's switch come the table's regroups: expert parallel's all-to-alls, on
 every device, on rows of the stores (scratch rows where the slot made nothing to
-regroup), so that no branch holds them. Collectives left inside a branch (tensor
-parallel's all-reduces, ZeRO 2/3's per-backward reduce-scatters without a pipeline) run
-over groups of devices that share a pipeline rank, which take the same branch in every
-tick.
+regroup), so that no branch holds them. Tensor parallel's all-reduces, which sit
+between a pass's equations, run between the phases of a switch cut at them (`Phases`).
+One rank whose slots repeat one microbatch's kinds (gradient accumulation) has no
+switch: its collectives sit in the loop's body.
 """
 
 from __future__ import annotations
