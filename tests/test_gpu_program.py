@@ -163,3 +163,35 @@ def test_gpu_ordered_pipeline_runs_on_cpu(dp, zero):
   assert step.platform == "gpu" and step.tick_loop
   lowered = step.lower(state, random_batch(jax.random.PRNGKey(0), 16 * dp))
   assert _jit_options(lowered) == step.compiler_options() != {}
+
+
+def _collectives_in_conds(jaxpr, inside: bool = False) -> list[str]:
+  """The collectives of a jaxpr (and those it calls) that sit inside a `cond`."""
+  found = []
+  for e in jaxpr.eqns:
+    if inside and e.primitive.name in _COLLECTIVES:
+      found.append(e.primitive.name)
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found += _collectives_in_conds(sub, inside or e.primitive.name == "cond")
+  return found
+
+
+def test_gpu_tensor_parallel_pipeline_holds_no_collective_in_a_conditional():
+  # The GPU's bf16 program (fp32-writing weight-gradient GEMMs) of a PP2 x TP2 pipeline:
+  # its all-reduces run between the phases of each slot's switch, none inside one.
+  config = gpt.GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2,
+                         n_stages=2, dtype=jnp.bfloat16, attention="xla", tp_axis="tp")
+  model = gpt.GPT(config)
+  loss, params = gpt.loss_fn(model), gpt.init_params(model, jax.random.PRNGKey(0))
+  batch = gpt.random_batch(config, jax.random.PRNGKey(1), 8, pattern_seed=1)
+  directives = pj.strategies.pipeline(2, 4, "1f1b", dp=2) + [pj.shard_tensor({}, [0, 2, 1, 3])]
+  step = pj.compile(loss, optimizer(), directives, params, batch, devices=jax.devices()[:4],
+                    platform="gpu")
+  jaxpr = step.trace(step.init(params), batch).jaxpr.jaxpr
+  body = shard_map_body(jaxpr)
+  assert re.search(r"cut at tensor parallel's collectives.*\(\d+ phases", step.describe())
+  assert _collectives_in_conds(body) == []
+  assert "psum" in str(body) and "cond" in str(body)
