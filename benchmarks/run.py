@@ -27,6 +27,8 @@ Suffixes (`zero3+rbf16+r24`):
   +L9-7         the blocks of each pipeline stage (default: equal blocks)
   +balanced     `gpt.balanced_stage_layers` (the last stage fewer, for the head and loss)
   +ep           experts split over each rank's data-parallel devices (`pj.shard`)
+  +tp           the GPT's attention and MLP split over pairs of each rank's data-parallel
+                devices (`pj.shard_tensor`, Megatron's layout)
   +bf16         parameters and optimizer states in bf16 (the PyTorch peer's setting);
                 its ratio is against `jit-dp+bf16`
   +mask         adamw without decay on vectors; its ratio is against `jit-dp+mask`
@@ -87,7 +89,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp", "accum": "shmap-
              "accum-1f1b": "shmap-accum"}
 # Variant suffixes besides "+rK" (a DP variant over K regions), "+L<blocks>-..." and
 # "+slotN"; the module docstring says what each does.
-_SUFFIXES = ("ep", "balanced", "bf16", "mask", "ac", "rbf16", "remat", "noremat", "nocast",
+_SUFFIXES = ("ep", "tp", "balanced", "bf16", "mask", "ac", "rbf16", "remat", "noremat", "nocast",
              "nodistopt", "keepgathered", "stacked", "writeafter", "nocmdbuf", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
@@ -247,6 +249,10 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods,
                    remat="ac" in mods, attention=attention, seq_len=seq_len, layers=layers,
                    stage_layers=split[0] if split else None)
+  if "tp" in mods:
+    if not hasattr(config, "tp_axis"):
+      raise ValueError(f"+tp splits the GPT models' attention and MLP; {model} has no tp_axis")
+    config = dataclasses.replace(config, tp_axis="tp")
   net = make_net(model, config)
   if base in BASELINES:
     return config, net, None
@@ -268,6 +274,9 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
                                reduce_dtype=reduce_dtype)]
   if "ep" in mods:  # experts split over each rank's data-parallel group
     directives.append(pj.shard({"EP": "*"}, list(range(n))))
+  if "tp" in mods:  # rank r's data-parallel devices are r, r + pp, ...: its first two
+    ranks = pp if pipe else 1
+    directives.append(pj.shard_tensor({}, [r + k * ranks for r in range(ranks) for k in (0, 1)]))
   return config, net, directives
 
 
@@ -603,6 +612,7 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
 
   import piper_jax as pj
   from examples import gpt
+  from piper_jax.lowering import collectives_in_conditionals
   from piper_jax.memory import CompiledMemory
 
   devices = jax.devices()
@@ -625,16 +635,19 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
     b = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bsh),
                                example)
     t0 = time.perf_counter()
-    mem = CompiledMemory.of(
-        call.lower((shaped(params, psh), shaped(jax.eval_shape(tx.init, params), osh)), b).compile())
+    compiled = call.lower((shaped(params, psh), shaped(jax.eval_shape(tx.init, params), osh)),
+                          b).compile()
   else:
     t0 = time.perf_counter()
     step = pj.compile(loss_fn, tx, directives, params, example, options=lowering_options(mods))
     row["build_s"] = time.perf_counter() - t0
     row["microbatches"] = step.plan.n_microbatches
     t0 = time.perf_counter()
-    mem = step.memory()
+    compiled = step.compile()
   row["compile_s"] = time.perf_counter() - t0
+  mem = CompiledMemory.of(compiled)
+  # On GPUs a conditional that holds a collective runs from the host, outside CUDA graphs.
+  row["collectives_in_conditionals"] = len(collectives_in_conditionals(compiled.as_text()))
   row["xla_gib"] = mem.total / 2**30
   row["memory"] = {k: getattr(mem, k) for k in ("arguments", "outputs", "aliased", "temporaries")}
   return row
@@ -733,18 +746,19 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
 def compile_table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of `--compile-only` rows; the ratio is build + XLA seconds over the
   baseline's."""
-  lines = ["| model | variant | devices | build s | XLA s | vs baseline | XLA GiB |",
-           "|" + "---|" * 7]
+  lines = ["| model | variant | devices | build s | XLA s | vs baseline | XLA GiB "
+           "| collectives in conditionals |", "|" + "---|" * 8]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | | |")
       continue
     name, b = baseline_row(base, r["variant"], r["model"], baseline_of)
     total = lambda x: x["build_s"] + x["compile_s"]
     ratio = f"{total(r) / total(b):.2f}x {name}" if b else "-"
     lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['build_s']:.1f} | "
-                 f"{r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} |")
+                 f"{r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} | "
+                 f"{r.get('collectives_in_conditionals', '-')} |")
   return "\n".join(lines)
 
 

@@ -7,19 +7,22 @@ starts, a pipeline's exchanges as rounds of `ppermute`. This module reads what i
 decided from the jaxpr of the step itself, so the report cannot drift from the
 program: every collective equation, how many times a step runs it (loops with a
 static trip count multiply it), and where (the `jax.named_scope`s the lowering
-opens: the tick, the loop, the step's start or end).
+opens: the tick, the loop, the step's start or end). `collectives_in_conditionals`
+reads the compiled program's text: on GPUs a conditional that holds one runs from the
+host, outside CUDA graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterator
 
 import numpy as np
 
 from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, name_stack
 
-__all__ = ["StepCollective", "step_collectives", "collectives_table"]
+__all__ = ["StepCollective", "step_collectives", "collectives_table", "collectives_in_conditionals"]
 
 # Primitive names (jax 0.10-0.12) -> what the report calls them.
 KINDS = {
@@ -121,3 +124,34 @@ def collectives_table(collectives: list[StepCollective]) -> str:
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   fmt = lambda r: " | ".join(x.ljust(w) for x, w in zip(r, widths))
   return "\n".join([fmt(rows[0]), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]])
+
+
+_HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
+
+
+def collectives_in_conditionals(hlo: str) -> list[str]:
+  """The collectives the compiled program runs inside a conditional's branches
+  (following the computations they call), by HLO opcode."""
+  comps: dict[str, list[str]] = {}
+  cur = None
+  for line in hlo.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if m:
+      cur = comps.setdefault(m.group(1), [])
+    elif cur is not None:
+      cur.append(line)
+  called = lambda line: re.findall(r"%([\w.\-]+)", " ".join(re.findall(
+      r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
+  found, seen = [], set()
+  todo = [c for lines in comps.values() for line in lines if " conditional(" in line
+          for c in re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1])]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      found += [op for op in _HLO_COLLECTIVES if re.search(rf"\b{op}(-start)?\(", line)]
+      todo += called(line)
+  return found

@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from piper_jax.lowering.collectives import KINDS
 from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, Literal, bind
 
 __all__ = ["Phases", "COLLECTIVES"]
 
 # Primitives that make devices meet; a cut falls at each.
-COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "reduce_scatter", "all_to_all",
-                         "ppermute", "psum_invariant", "all_gather_invariant"})
+COLLECTIVES = frozenset(KINDS)
 # Calls whose body is inlined when it holds a collective (its equations run as ours).
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
                     "custom_vjp_call", "checkpoint", "remat"})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,34 +195,3 @@ def bytes_on_device(tree, device) -> int:
   """Bytes of the arrays of `tree` (a step's state) held on `device`."""
   return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
              for s in x.addressable_shards if s.device == device)
-
-
-_COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                   "collective-permute")
-
-
-def collectives_in_conditionals(hlo: str) -> list[str]:
-  """The collectives the compiled program runs inside a conditional's branches
-  (following the computations they call), by HLO opcode."""
-  comps: dict[str, list[str]] = {}
-  cur = None
-  for line in hlo.splitlines():
-    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-    if m:
-      cur = comps.setdefault(m.group(1), [])
-    elif cur is not None:
-      cur.append(line)
-  called = lambda line: re.findall(r"%([\w.\-]+)", " ".join(re.findall(
-      r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
-  found, seen = [], set()
-  todo = [c for lines in comps.values() for line in lines if " conditional(" in line
-          for c in re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1])]
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      found += [op for op in _COLLECTIVE_OPS if re.search(rf"\b{op}(-start)?\(", line)]
-      todo += called(line)
-  return found

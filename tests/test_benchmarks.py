@@ -347,15 +347,18 @@ def test_compile_only_counts_memory_without_running():
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import run
   rows = [run.compile_variant(v, "tiny", batch=32, microbatches=4, pp=2)
-          for v in ("jit-dp", "pp-1f1b@z1")]
+          for v in ("jit-dp", "pp-1f1b@z1", "pp-1f1b+tp")]
   for r in rows:
     assert r["compile_s"] > 0 and r["xla_gib"] > 0 and r["devices"] == 8
+    assert r["collectives_in_conditionals"] == 0
+  # +tp: each rank's first two data-parallel devices split the attention and MLP.
+  assert run.build("pp-1f1b+tp", "tiny", 8, 4, pp=2)[2][-1].devices == (0, 2, 1, 3)
   assert rows[0]["build_s"] == 0 and rows[1]["build_s"] > 0 and rows[1]["microbatches"] == 4
   # Data parallel keeps every parameter and optimizer state on each device; 1F1B over 2
   # ranks half of them.
   assert rows[1]["memory"]["arguments"] < rows[0]["memory"]["arguments"]
   text = run.compile_table(rows)
-  assert "| tiny | pp-1f1b@z1 | 8 |" in text and "x jit-dp |" in text
+  assert "| tiny | pp-1f1b@z1 | 8 |" in text and "x jit-dp |" in text and "| 0 |" in text
   with pytest.raises(ValueError, match="add --compile-only"):
     run.main(["--small", "--mock-gpus", "4", "--variants", "jit-dp"])
 

@@ -13,7 +13,8 @@ import optax
 
 import piper_jax as pj
 from examples import gpt
-from models import assert_same_run, collectives_in_conditionals, moe_gpt as _moe, tp_gpt as _tp_gpt
+from models import assert_same_run, moe_gpt as _moe, tp_gpt as _tp_gpt
+from piper_jax.lowering import collectives_in_conditionals
 
 # Adam moves a weight whose gradient is at rounding level (an expert that few tokens
 # reach) by a full step of that noise with eps=1e-8; eps=1e-6 keeps the comparison

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import piper_jax as pj
-from models import (assert_same_run, collectives_in_conditionals, init_mlp, mlp_loss, moe_gpt,
-                    random_batch, tp_gpt)
+from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch, tp_gpt
+from piper_jax.lowering import collectives_in_conditionals
 
 pytestmark = pytest.mark.timeout(300)
 
