@@ -7,10 +7,12 @@ runs it from the host). `Phases` traces each branch once, inlines the calls that
 its collectives, and cuts its equations at them into segments. A slot then runs as
 phases: each phase one `lax.switch` over the kinds' segments, then the collectives of
 that cut, outside the switch, on every device. What a segment made and a later one
-reads is handed on as the switch's outputs, in positions per (shape, dtype) as many
-as the kind that needs most; a kind with fewer cuts starts later (its first phases
-are empty), so that every kind ends in the last phase and returns what its whole
-branch returns. A collective runs on zeros where a slot's kind has nothing to send
+reads is handed on as the switch's outputs, in positions per (shape, dtype), as many
+as any kind needs at any cut and the same at every cut: a kind that does not run in a
+phase passes them through untouched (positions made per cut, zero-filled by every
+other kind, compiled 2x slower and took more memory on a GPU). A kind with fewer cuts
+starts later (its first phases are empty), so that every kind ends in the last phase
+and returns what its whole branch returns. A collective runs on zeros where a slot's kind has nothing to send
 there: the devices of one collective share a pipeline rank and take the same branch,
 and the others' results are not read.
 """
@@ -248,22 +250,22 @@ class Phases:
       if any(e.collective for e in flat.entries) and (cut := _cut(flat)) is not None:
         self.cut[i] = cut
     self.n = 1 + max([len(c.cuts) for c in self.cut.values()] + [0])
-    # Per cut of the slot (n - 1 of them): the collective and carry positions, and per
-    # cut kind where its items go.
+    # Per cut of the slot (n - 1 of them): the collective positions and, per position,
+    # a representative equation.
     self._coll_pos: list[list[tuple]] = []
-    self._carry_pos: list[list[tuple]] = []
-    self._rep: list[list[Any]] = []     # per cut and collective position, its equation
+    self._rep: list[list[Any]] = []
     for g in range(self.n - 1):
       colls = {i: [_coll_key(e) for e in self._at(i, g, "cuts")] for i in self.cut}
-      carries = {i: [_aval_key(self._aval(i, k)) for k in self._at(i, g, "carry")]
-                 for i in self.cut}
       self._coll_pos.append(_positions(list(colls.values())))
-      self._carry_pos.append(_positions(list(carries.values())))
       rep = [None] * len(self._coll_pos[-1])
       for i in self.cut:
         for e, p in zip(self._at(i, g, "cuts"), _place(self._coll_pos[-1], colls[i])):
           rep[p] = e
       self._rep.append(rep)
+    # What a kind hands on at a cut travels in positions per (shape, dtype), the same at
+    # every cut, so that a kind not running in a phase passes them through untouched.
+    self._carry_pos = _positions([[_aval_key(k[1].aval) for k in keys]
+                                  for cut in self.cut.values() for keys in cut.carry])
 
   @property
   def cut_kinds(self) -> list[int]:
@@ -278,40 +280,35 @@ class Phases:
     s = self._segment(i, g)
     return getattr(self.cut[i], what)[s] if s >= 0 else []
 
-  @staticmethod
-  def _aval(i: int, key):
-    return key[1].aval  # only equations' outputs are carried
+  def _empty_carry(self) -> list:
+    return [jnp.zeros(shape, dtype) for shape, dtype in self._carry_pos]
 
-  def _zeros(self, g: int) -> tuple[list, list]:
-    coll = [[jnp.zeros(v.aval.shape, v.aval.dtype) for v in rep.invars]
-            for rep in (e.eqn for e in self._rep[g])]
-    carry = [jnp.zeros(shape, dtype) for shape, dtype in self._carry_pos[g]]
-    return coll, carry
+  def _coll_zeros(self, g: int) -> list:
+    return [[jnp.zeros(v.aval.shape, v.aval.dtype) for v in e.eqn.invars] for e in self._rep[g]]
+
+  def _places(self, keys: list) -> list[int]:
+    return _place(self._carry_pos, [_aval_key(k[1].aval) for k in keys])
 
   def _phase_fn(self, i: int, phase: int):
     """Kind i's branch in `phase`: (collective operands, carried values) at the cut
     after it, or in the last phase what the whole branch returns."""
     last = phase == self.n - 1
-    if i not in self.cut:
+    if i not in self.cut or self._segment(i, phase) < 0:
       if last:
-        return self.branches[i]
-      return lambda x: self._zeros(phase)
+        return lambda x: self.branches[i](x[0])
+      return lambda x: (self._coll_zeros(phase), x[1])
     cut = self.cut[i]
 
     def run(x):
       ops, carried, colls = x
       s = self._segment(i, phase)
-      if s < 0:
-        return self._zeros(phase)
       env = dict(cut.flat.consts)
       env.update(zip(cut.flat.inputs, jax.tree_util.tree_leaves(ops)))
       if s > 0:
-        g = phase - 1
         keys = cut.carry[s - 1]
-        pos = _place(self._carry_pos[g], [_aval_key(self._aval(i, k)) for k in keys])
-        env.update((k, carried[p]) for k, p in zip(keys, pos))
+        env.update((k, carried[p]) for k, p in zip(keys, self._places(keys)))
         entries = cut.cuts[s - 1]
-        pos = _place(self._coll_pos[g], [_coll_key(e) for e in entries])
+        pos = _place(self._coll_pos[phase - 1], [_coll_key(e) for e in entries])
         for e, p in zip(entries, pos):
           env.update(zip(e.outs, colls[p]))
       read = lambda k: k.val if isinstance(k, Literal) else env[k]
@@ -319,29 +316,24 @@ class Phases:
         env.update(zip(e.outs, bind(e.eqn, [read(k) for k in e.ins])))
       if last:
         return jax.tree_util.tree_unflatten(self.out_tree, [read(k) for k in cut.flat.outputs])
-      coll, carry = self._zeros(phase)
+      coll = self._coll_zeros(phase)
       entries = cut.cuts[s]
       for e, p in zip(entries, _place(self._coll_pos[phase], [_coll_key(e) for e in entries])):
         coll[p] = [read(k) for k in e.ins]
-      keys = cut.carry[s]
-      for k, p in zip(keys, _place(self._carry_pos[phase],
-                                   [_aval_key(self._aval(i, k)) for k in keys])):
-        carry[p] = read(k)
-      return coll, carry
+      out = list(carried)
+      for k, p in zip(cut.carry[s], self._places(cut.carry[s])):
+        out[p] = read(k)
+      return coll, out
 
     return run
 
   def switch(self, index, ops):
     """What `lax.switch(index, branches, ops)` returns, run phase by phase with the
     collectives between the phases' switches."""
-    carried, colls = [], []
-    for phase in range(self.n):
+    carried, colls = self._empty_carry(), []
+    for phase in range(self.n - 1):
       fns = [self._phase_fn(i, phase) for i in range(len(self.branches))]
-      if phase == self.n - 1:
-        wrap = [fn if i in self.cut else (lambda x, fn=fn: fn(x[0]))
-                for i, fn in enumerate(fns)]
-        return lax.switch(index, wrap, (ops, carried, colls))
-      wrap = [fn if i in self.cut else (lambda x, fn=fn: fn(x[0])) for i, fn in enumerate(fns)]
-      coll, carried = lax.switch(index, wrap, (ops, carried, colls))
+      coll, carried = lax.switch(index, fns, (ops, carried, colls))
       colls = [bind(e.eqn, vals) for e, vals in zip(self._rep[phase], coll)]
-    raise AssertionError("unreachable")
+    fns = [self._phase_fn(i, self.n - 1) for i in range(len(self.branches))]
+    return lax.switch(index, fns, (ops, carried, colls))
