@@ -60,10 +60,10 @@ def _call_body(eqn) -> tuple[Any, Sequence[Any]] | None:
     return None
   for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
     j = eqn.params.get(name)
-    if isinstance(j, ClosedJaxpr) and _holds_collective(j.jaxpr):
-      return j.jaxpr, j.consts
-    if isinstance(j, Jaxpr) and _holds_collective(j):
-      return j, ()
+    body, consts = (j.jaxpr, j.consts) if isinstance(j, ClosedJaxpr) else (j, ())
+    if (isinstance(body, Jaxpr) and len(body.invars) == len(eqn.invars)
+        and len(body.constvars) == len(consts) and _holds_collective(body)):
+      return body, consts
   return None
 
 
@@ -143,7 +143,7 @@ def _redoable(flat: _Flat) -> dict[Hashable, _Entry]:
   out: dict[Hashable, _Entry] = {}
   for e in flat.entries:
     small = all(math.prod(k[1].aval.shape) <= _SMALL for k in e.outs)
-    if (e.collective or not (e.eqn.primitive.name in _REDO or small)
+    if (e.collective or e.eqn.effects or not (e.eqn.primitive.name in _REDO or small)
         or any(_jaxprs(e.eqn.params)) and not small):
       continue
     if all(isinstance(k, Literal) or k in have or k in out for k in e.ins):
