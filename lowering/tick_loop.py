@@ -57,12 +57,12 @@ class LoopCarry:
 class SlotOut:
   """What a slot's branch returns when the stores are written after the switch
   (`LoweringOptions.write_stores_after_switch`): per write position
-  (`TickLoop.positions`), the value it made and the store row it goes to (the store's
-  scratch row where the kind writes fewer values there), and the gradient sums and
-  loss. Otherwise a branch returns the whole `LoopCarry`, stores written in place."""
+  (`TickLoop.positions`), the value it made (zeros where the kind writes fewer values
+  there; the row each goes to is the table's, `TickLoop.position_rows`), and the
+  gradient sums and loss. Otherwise a branch returns the whole `LoopCarry`, stores
+  written in place."""
 
   values: list
-  rows: list
   acc: dict
   split_acc: dict
   loss: jax.Array
@@ -70,7 +70,7 @@ class SlotOut:
 
 jax.tree_util.register_dataclass(LoopCarry, data_fields=["stores", "acc", "split_acc", "loss"],
                                  meta_fields=[])
-jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "rows", "acc", "split_acc", "loss"],
+jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "acc", "split_acc", "loss"],
                                  meta_fields=[])
 
 
@@ -174,16 +174,32 @@ class TickLoop:
 
   def _slot_out(self, written, acc, split_acc, loss) -> SlotOut:
     """A slot's result for the stores written after the switch: the `written` (store,
-    value, row) at their positions, a zero value for its store's scratch row at the others."""
+    value, row) values at their positions, zeros (for the store's scratch row) at the
+    others."""
     stores = self.table.stores
     values = [jnp.zeros(stores[st].shape, jnp.dtype(stores[st].dtype)) for st, _ in self.positions]
-    rows = [jnp.int32(stores[st].scratch) for st, _ in self.positions]
     seen: dict[int, int] = {}
-    for st, x, row in written:
+    for st, x, _ in written:
       p = self.positions.index((st, seen.get(st, 0)))
       seen[st] = seen.get(st, 0) + 1
-      values[p], rows[p] = x, row
-    return SlotOut(values, rows, acc, split_acc, loss)
+      values[p] = x
+    return SlotOut(values, acc, split_acc, loss)
+
+  def _position_rows(self) -> np.ndarray:
+    """[tick, rank, slot, position]: the store row each write position's value goes to
+    (the store's scratch row where the slot's kind writes nothing there): data of the
+    table, so that no branch returns rows."""
+    table = self.table
+    rows = np.zeros(table.code.shape + (max(len(self.positions), 1),), np.int32)
+    for p, (st, _) in enumerate(self.positions):
+      rows[..., p] = table.stores[st].scratch
+    for t, k, s in zip(*np.nonzero(table.code)):
+      seen: dict[int, int] = {}
+      for j, st in enumerate(table.kinds[table.code[t, k, s] - 1].writes):
+        p = self.positions.index((st, seen.get(st, 0)))
+        seen[st] = seen.get(st, 0) + 1
+        rows[t, k, s, p] = table.write_rows[t, k, s, j]
+    return rows
 
   def _idle(self, ops):
     if self.write_after:
@@ -242,6 +258,7 @@ class TickLoop:
     stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
+    position_rows = jnp.asarray(self._position_rows()) if self.write_after else None
     code, mb, read_rows, write_rows, send_rows, recv_rows, regroup_rows = (
         jnp.asarray(x) for x in (table.code, table.mb, table.read_rows, table.write_rows,
                                  table.send_rows, table.recv_rows, table.regroup_rows))
@@ -253,7 +270,7 @@ class TickLoop:
                         write_rows[i, rank, s])
         out = self._switch(code[i, rank, s], branches, ops)
         if self.write_after:
-          out = LoopCarry(_written(c.stores, [(st, out.values[p], out.rows[p])
+          out = LoopCarry(_written(c.stores, [(st, out.values[p], position_rows[i, rank, s, p])
                                               for p, (st, _) in enumerate(self.positions)]),
                           out.acc, out.split_acc, out.loss)
         return self._regroup(out, regroup_rows[i, rank, s])
