@@ -213,14 +213,19 @@ def test_an_expert_parallel_pipelines_all_to_alls_run_outside_its_conditionals(
   assert re.search(r"\ball-to-all(-start)?\(", hlo)
 
 
-@pytest.mark.parametrize("how", ["1f1b-dp2-tp2", "zb-dp2-tp2-in-place", "stages-sharing-dp2-tp2"])
+@pytest.mark.parametrize("how", ["1f1b-dp2-tp2", "zb-dp2-tp2-in-place", "stages-sharing-dp2-tp2",
+                                 "dualpipev-zero3-tp2"])
 def test_a_tensor_parallel_pipelines_all_reduces_run_outside_its_conditionals(batches_of, how):
   # A slot's branches are cut at tensor parallel's all-reduces (`Phases`): each phase a
   # switch, the all-reduces between them on every device.
-  config, loss, params = tp_gpt(2)
+  config, loss, params = tp_gpt(4 if how.startswith("dualpipev") else 2)
   batches_of(config)
   options = pj.LoweringOptions(write_stores_after_switch="in-place" not in how and None)
-  if how != "stages-sharing-dp2-tp2":
+  if how.startswith("dualpipev"):  # 4 stages on 2 ranks, x TP2 x DP2 under ZeRO-3
+    directives = pj.strategies.pipeline(4, 4, "dualpipev", dp=4, zero=3)
+    directives.append(pj.shard_tensor({}, [0, 2, 1, 3]))
+    n_devices = 8
+  elif how != "stages-sharing-dp2-tp2":
     directives = pj.strategies.pipeline(2, 4, how.split("-")[0], dp=4, zero=1)
     directives.append(pj.shard_tensor({}, [0, 2, 1, 3]))
     n_devices = 8
