@@ -195,3 +195,19 @@ def bytes_on_device(tree, device) -> int:
   """Bytes of the arrays of `tree` (a step's state) held on `device`."""
   return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
              for s in x.addressable_shards if s.device == device)
+
+
+def collectives_in_conds(jaxpr, inside: bool = False) -> list[str]:
+  """The collective primitives of a jaxpr (and of those it calls) that sit inside a
+  `cond`: the traced counterpart of `lowering.collectives_in_conditionals`."""
+  from piper_jax.lowering.phases import COLLECTIVES
+  found = []
+  for e in jaxpr.eqns:
+    if inside and e.primitive.name in COLLECTIVES:
+      found.append(e.primitive.name)
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found += collectives_in_conds(sub, inside or e.primitive.name == "cond")
+  return found

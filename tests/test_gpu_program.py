@@ -22,8 +22,8 @@ import pytest
 
 import piper_jax as pj
 from examples import gpt
-from models import (assert_same_run, init_mlp, mlp_loss, optimizer, random_batch,
-                    shard_map_body)
+from models import (assert_same_run, collectives_in_conds, init_mlp, mlp_loss, optimizer,
+                    random_batch, shard_map_body)
 from piper_jax.ir.directives import Replicate
 from piper_jax.lowering.program import PIPELINE_XLA_OPTIONS
 
@@ -165,20 +165,6 @@ def test_gpu_ordered_pipeline_runs_on_cpu(dp, zero):
   assert _jit_options(lowered) == step.compiler_options() != {}
 
 
-def _collectives_in_conds(jaxpr, inside: bool = False) -> list[str]:
-  """The collectives of a jaxpr (and those it calls) that sit inside a `cond`."""
-  found = []
-  for e in jaxpr.eqns:
-    if inside and e.primitive.name in _COLLECTIVES:
-      found.append(e.primitive.name)
-    for v in e.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          found += _collectives_in_conds(sub, inside or e.primitive.name == "cond")
-  return found
-
-
 def test_gpu_tensor_parallel_pipeline_holds_no_collective_in_a_conditional():
   # The GPU's bf16 program (fp32-writing weight-gradient GEMMs) of a PP2 x TP2 pipeline:
   # its all-reduces run between the phases of each slot's switch, none inside one.
@@ -193,5 +179,5 @@ def test_gpu_tensor_parallel_pipeline_holds_no_collective_in_a_conditional():
   jaxpr = step.trace(step.init(params), batch).jaxpr.jaxpr
   body = shard_map_body(jaxpr)
   assert re.search(r"cut at tensor parallel's collectives.*\(\d+ phases", step.describe())
-  assert _collectives_in_conds(body) == []
+  assert collectives_in_conds(body) == []
   assert "psum" in str(body) and "cond" in str(body)

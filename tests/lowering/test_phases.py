@@ -8,8 +8,9 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from models import collectives_in_conds
 from piper_jax.lowering.compat import shard_map_unchecked
-from piper_jax.lowering.phases import COLLECTIVES, Phases
+from piper_jax.lowering.phases import Phases
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,19 +35,6 @@ def _branches():
   return [idle, one_cut, three_cuts]
 
 
-def _in_conds(jaxpr, inside=False) -> list[str]:
-  found = []
-  for e in jaxpr.eqns:
-    if inside and e.primitive.name in COLLECTIVES:
-      found.append(e.primitive.name)
-    for v in e.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          found += _in_conds(sub, inside or e.primitive.name == "cond")
-  return found
-
-
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_phases_give_the_switchs_results_with_collectives_outside_it(index):
   mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
@@ -69,5 +57,5 @@ def test_phases_give_the_switchs_results_with_collectives_outside_it(index):
   # Kinds right-aligned: three cuts make four phases, the one-cut kind starts in the third.
   assert phases.cut_kinds == [1, 2] and phases.n == 4
   cut, plain = (jax.make_jaxpr(step(c))(x, y, i).jaxpr for c in (True, False))
-  assert sorted(set(_in_conds(plain))) == ["all_gather", "psum"]
-  assert _in_conds(cut) == [] and "psum" in str(cut) and "all_gather" in str(cut)
+  assert sorted(set(collectives_in_conds(plain))) == ["all_gather", "psum"]
+  assert collectives_in_conds(cut) == [] and "psum" in str(cut) and "all_gather" in str(cut)
