@@ -12,9 +12,9 @@ as any kind needs at any cut and the same at every cut: a kind that does not run
 phase passes them through untouched (positions made per cut, zero-filled by every
 other kind, compiled 2x slower and took more memory on a GPU). A kind with fewer cuts
 starts later (its first phases are empty), so that every kind ends in the last phase
-and returns what its whole branch returns. A collective runs on zeros where a slot's kind has nothing to send
-there: the devices of one collective share a pipeline rank and take the same branch,
-and the others' results are not read.
+and returns what its whole branch returns. A collective runs on zeros where a slot's
+kind has nothing to send there: the devices of one collective share a pipeline rank and
+take the same branch, and the others' results are not read.
 """
 
 from __future__ import annotations
@@ -171,21 +171,21 @@ def _cut(flat: _Flat) -> _Cut | None:
       segments.append([])
   redo = _redoable(flat)
   reads = lambda e: [k for k in e.ins if not isinstance(k, Literal)]
+  order = {id(e): n for n, e in enumerate(flat.entries)}
   # Each later segment first redoes the operands-only values it reads but did not make.
   for s in range(1, len(segments)):
     made = {k for e in segments[s] for k in e.outs}
     want = [k for e in segments[s] + (cuts[s] if s < len(cuts) else []) for k in reads(e)]
     if s == len(segments) - 1:
       want += [k for k in flat.outputs if not isinstance(k, Literal)]
-    need: list[_Entry] = []
+    need: dict[int, _Entry] = {}   # by position in the flattened branch
     todo = [k for k in want if k in redo and k not in made]
     while todo:
       e = redo[todo.pop()]
-      if e not in need:
-        need.append(e)
+      if order[id(e)] not in need:
+        need[order[id(e)]] = e
         todo += [k for k in reads(e) if k in redo]
-    order = {id(e): n for n, e in enumerate(flat.entries)}
-    segments[s] = sorted(need, key=lambda e: order[id(e)]) + segments[s]
+    segments[s] = [need[n] for n in sorted(need)] + segments[s]
   # Times: segment s at 2s, cut s at 2s + 1; the branch's outputs are read at the end.
   made: dict[Hashable, int] = {}
   last: dict[Hashable, int] = {}

@@ -178,12 +178,19 @@ class TickLoop:
     others."""
     stores = self.table.stores
     values = [jnp.zeros(stores[st].shape, jnp.dtype(stores[st].dtype)) for st, _ in self.positions]
-    seen: dict[int, int] = {}
-    for st, x, _ in written:
-      p = self.positions.index((st, seen.get(st, 0)))
-      seen[st] = seen.get(st, 0) + 1
+    for p, (_, x, _) in zip(self._write_positions([st for st, _, _ in written]), written):
       values[p] = x
     return SlotOut(values, acc, split_acc, loss)
+
+  def _write_positions(self, writes) -> list[int]:
+    """The write position (`positions`) of each value written to stores `writes`, in
+    order: the n-th value written to a store takes that store's n-th position."""
+    seen: dict[int, int] = {}
+    out = []
+    for st in writes:
+      out.append(self.positions.index((st, seen.get(st, 0))))
+      seen[st] = seen.get(st, 0) + 1
+    return out
 
   def _position_rows(self) -> np.ndarray:
     """[tick, rank, slot, position]: the store row each write position's value goes to
@@ -193,11 +200,9 @@ class TickLoop:
     rows = np.zeros(table.code.shape + (max(len(self.positions), 1),), np.int32)
     for p, (st, _) in enumerate(self.positions):
       rows[..., p] = table.stores[st].scratch
+    of_kind = [self._write_positions(kind.writes) for kind in table.kinds]
     for t, k, s in zip(*np.nonzero(table.code)):
-      seen: dict[int, int] = {}
-      for j, st in enumerate(table.kinds[table.code[t, k, s] - 1].writes):
-        p = self.positions.index((st, seen.get(st, 0)))
-        seen[st] = seen.get(st, 0) + 1
+      for j, p in enumerate(of_kind[table.code[t, k, s] - 1]):
         rows[t, k, s, p] = table.write_rows[t, k, s, j]
     return rows
 

@@ -220,7 +220,7 @@ def test_a_tensor_parallel_pipelines_all_reduces_run_outside_its_conditionals(ba
   # switch, the all-reduces between them on every device.
   config, loss, params = tp_gpt(4 if how.startswith("dualpipev") else 2)
   batches_of(config)
-  options = pj.LoweringOptions(write_stores_after_switch="in-place" not in how and None)
+  options = pj.LoweringOptions(write_stores_after_switch=False if "in-place" in how else None)
   if how.startswith("dualpipev"):  # 4 stages on 2 ranks, x TP2 x DP2 under ZeRO-3
     directives = pj.strategies.pipeline(4, 4, "dualpipev", dp=4, zero=3)
     directives.append(pj.shard_tensor({}, [0, 2, 1, 3]))
