@@ -27,8 +27,8 @@ Suffixes (`zero3+rbf16+r24`):
   +L9-7         the blocks of each pipeline stage (default: equal blocks)
   +balanced     `gpt.balanced_stage_layers` (the last stage fewer, for the head and loss)
   +ep           experts split over each rank's data-parallel devices (`pj.shard`)
-  +tp           the GPT's attention and MLP split over pairs of each rank's data-parallel
-                devices (`pj.shard_tensor`, Megatron's layout)
+  +tp           attention and MLP split over pairs of each rank's data-parallel devices
+                (`pj.shard_tensor`, Megatron's layout)
   +bf16         parameters and optimizer states in bf16 (the PyTorch peer's setting);
                 its ratio is against `jit-dp+bf16`
   +mask         adamw without decay on vectors; its ratio is against `jit-dp+mask`
@@ -249,9 +249,7 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   config = _config(model, n_stages, balanced="balanced" in mods, bf16="bf16" in mods,
                    remat="ac" in mods, attention=attention, seq_len=seq_len, layers=layers,
                    stage_layers=split[0] if split else None)
-  if "tp" in mods:
-    if not hasattr(config, "tp_axis"):
-      raise ValueError(f"+tp splits the GPT models' attention and MLP; {model} has no tp_axis")
+  if "tp" in mods:  # every model's config names Megatron's layout under tp_axis
     config = dataclasses.replace(config, tp_axis="tp")
   net = make_net(model, config)
   if base in BASELINES:
