@@ -767,7 +767,8 @@ def main(argv=None):
                        "examples/qwen3.py (qwen3-tiny, qwen3-1.7b, qwen3-8b, qwen3-moe-tiny, "
                        "qwen3-30b-a3b-4gpu)")
   ap.add_argument("--variants", default=",".join(BASELINES + PIPER))
-  ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+  ap.add_argument("--batch", type=int, default=None,
+                  help="global batch (sequences; default 16, with --small 4 rows per microbatch)")
   ap.add_argument("--microbatches", type=int, default=None,
                   help="microbatches of the pipelines (default 8; with --small 2 x --pp, at least 4)")
   ap.add_argument("--steps", type=int, default=10)
@@ -812,8 +813,10 @@ def main(argv=None):
              else "moe-tiny" if args.model.startswith("moe") else "tiny")
     args.model, args.steps, args.warmup = model, 2, 1
     args.microbatches = args.microbatches or max(4, 2 * args.pp)
-    args.batch = max(16, args.microbatches * 4)  # a row per microbatch on every device
+    # Default: a row per microbatch on every device.
+    args.batch = args.batch or max(16, args.microbatches * 4)
   args.microbatches = args.microbatches or 8
+  args.batch = args.batch or 16
   for v in args.variants.split(","):
     base, mods = split_variant(v)
     patterns = (_REGIONS, _LAYERS, _SLOTS)
