@@ -136,9 +136,12 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
     params, batch = run.shapes(family, net, config, meta["batch"])
     mods = run.split_variant(variant)[1]
     remat = True if "remat" in mods else False if "noremat" in mods else None
+    # XLA compiled the row for JAX's pool of the card's memory.
+    card = pj.planner.accelerator(target or r["device_kind"])
+    limit = card and pj.planner.JAX_GPU_POOL * card.memory_bytes
     est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
                                  batch, directives, n, costs=costs, remat=remat,
-                                 options=options_of(mods))
+                                 options=options_of(mods), memory_limit=limit)
     m = est.memory
     timed_ms = None
     if calibrate:

@@ -295,6 +295,36 @@ def test_a_loop_on_one_device_costs_its_launches_and_holds_the_loss_cotangent():
 
 
 @pytest.mark.timeout(60)
+def test_xla_fits_a_step_of_one_microbatch_into_its_memory_where_it_can():
+  # A step of one microbatch compiles whole: above the memory XLA compiles for, it
+  # rematerializes down to it, so long as what elementwise equations cannot redo fits
+  # (Qwen3-1.7B at batch 16 on one H200: 94 GiB in JAX's pool, 112 GiB given 95%). A
+  # loop over microbatches keeps what its stores hold.
+  from piper_jax.planner.costs import XLA_FIT
+  loss, params, batch = _gpt(1)
+  tx = optax.adamw(1e-3)
+  model = measure_model(loss, tx, params, batch)
+  costs = pj.strategies.CostModel()
+  step = pj.plan(loss, [], params, batch, 1)
+  free = estimate_plan(model, step, costs, remat=False).memory
+  assert free.fitted is None and free.total == free.parts
+  floor = dataclasses.replace(free, activations=sum(model.act_bytes(True).values())).total
+  assert floor < free.total  # the tiny GPT's GELU and LayerNorm values can be redone
+  limit = (floor + free.total) / 2 / XLA_FIT
+  est = estimate_plan(model, step, costs, remat=False, memory_limit=limit)
+  fitted = est.memory
+  assert fitted.total == int(XLA_FIT * limit) < fitted.parts == free.total
+  assert "which XLA rematerializes to fit" in str(est)
+  too_small = estimate_plan(model, step, costs, remat=False, memory_limit=floor / 2).memory
+  assert too_small.total == free.total  # it cannot fit: the estimate says so
+  roomy = estimate_plan(model, step, costs, remat=False, memory_limit=2 * free.total).memory
+  assert roomy.total == free.total
+  loop = estimate_plan(model, pj.plan(loss, [pj.split(2)], params, batch, 1), costs,
+                       remat=False, memory_limit=limit).memory
+  assert loop.fitted is None
+
+
+@pytest.mark.timeout(60)
 def test_the_optimizers_update_is_costed_by_the_bytes_each_device_updates():
   # Adam reads parameters, gradients and two moments and writes three (7 bytes per
   # parameter byte) once a step: ZeRO-1 over 2 replicas halves it, and it adds to the

@@ -27,7 +27,7 @@ from piper_jax.planner.calibrate import RegionTimes
 from piper_jax.planner.hardware import Accelerator, target_card
 
 __all__ = ["CostModel", "MemoryEstimate", "Estimate", "estimate", "measure_model",
-           "estimate_plan", "MeasuredModel", "format_bytes", "format_time"]
+           "estimate_plan", "MeasuredModel", "format_bytes", "format_time", "JAX_GPU_POOL"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,10 @@ class MemoryEstimate:
     grads_with_activations: gradients live beside the activations (a pipeline or
       accumulation over microbatches); else a single backward frees activations as it
       makes gradients and the peak holds the larger of the two.
+    fitted: for a step of one microbatch whose parts add up to more than the memory
+      XLA compiles it for, but whose forwards could keep only what cannot be redone
+      elementwise within it: XLA reorders and rematerializes the step into that memory
+      (`XLA_FIT`), and the total is this. None otherwise.
   """
 
   params: int
@@ -116,12 +120,18 @@ class MemoryEstimate:
   weight_copies: int = 0
   working: int = 0
   grads_with_activations: bool = True
+  fitted: int | None = None
 
   @property
-  def total(self) -> int:
+  def parts(self) -> int:
+    """What the parts add up to, before XLA fits the step into its memory."""
     live = (self.grads + self.activations if self.grads_with_activations
             else max(self.grads, self.activations))
     return self.params + self.optimizer + self.weight_copies + self.working + live
+
+  @property
+  def total(self) -> int:
+    return self.parts if self.fitted is None else min(self.parts, self.fitted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +176,9 @@ def _memory_lines(m: MemoryEstimate) -> list[str]:
            ("backward working set", m.working)]
   # One backward frees activations as it makes gradients: the peak holds the larger.
   larger = "" if m.grads_with_activations else ", counting the larger of gradients and activations"
-  return ([f"peak memory: {format_bytes(m.total)} per device (the busiest one{larger})"]
+  fitted = ("" if m.total == m.parts else
+            f"; the parts add up to {format_bytes(m.parts)}, which XLA rematerializes to fit")
+  return ([f"peak memory: {format_bytes(m.total)} per device (the busiest one{larger}{fitted})"]
           + [f"  {name}: {format_bytes(n)}" for name, n in parts if n])
 
 
@@ -269,10 +281,20 @@ def _loss_cotangent(traced) -> int:
 
 # -- estimates ---------------------------------------------------------------------
 
+# XLA's GPU scheduler keeps a step within this fraction of the memory it compiles for
+# (its default `xla_gpu_memory_limit_slop_factor`).
+XLA_FIT = 0.95
+# The fraction of a GPU's memory JAX's allocator takes, which XLA compiles for (unless
+# XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise).
+JAX_GPU_POOL = 0.75
+
+
 def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: bool,
-                  options: LoweringOptions = LoweringOptions()) -> Estimate:
+                  options: LoweringOptions = LoweringOptions(),
+                  memory_limit: float | None = None) -> Estimate:
   """The `Estimate` of a planned candidate: the simulated compute, then per pipeline
-  rank its memory and its traffic; the busiest rank sets each."""
+  rank its memory and its traffic; the busiest rank sets each. `memory_limit`: the
+  bytes per device XLA compiles the step for (see `estimate`)."""
   spec, mesh = model.spec, plan.mesh
   rows = model.batch_size // (mesh.n_data * plan.n_microbatches)  # rows of one microbatch
   scale = rows / model.batch_size  # the trace holds the whole batch; costs scale with rows
@@ -309,11 +331,30 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   # earlier ones): only communication beyond the compute's time shows, besides what
   # the regions wait for. A pipeline's loop reduces after its last tick and waits for
   # its messages each tick. The update follows the summed gradients.
+  if memory_limit and not lowers_as_loop(plan):
+    peak = _fitted(model, plan, report, peak, memory_limit, scale)
   if mesh.n_pp > 1:
     step = compute + comm + update
   else:
     step = max(compute, comm - exposed) + exposed + update + _launch_seconds(model, plan, costs)
   return Estimate(step, compute, comm, report.bubble_fraction, peak, update, plan)
+
+
+def _fitted(model: MeasuredModel, plan: Plan, report, peak: MemoryEstimate,
+            memory_limit: float, scale: float) -> MemoryEstimate:
+  """`peak` of a step of one microbatch, fitted by XLA into `memory_limit` where it is
+  above it and the forwards' residuals that elementwise equations cannot redo fit: XLA
+  compiles such a step whole, and its scheduler and rematerialization trade those
+  recomputations for memory (Qwen3-1.7B at batch 16 on one H200: 94 GiB in JAX's
+  default pool of 75% of the card, 112 GiB given 95%)."""
+  bound = int(XLA_FIT * memory_limit)
+  if peak.total <= bound:
+    return peak
+  least = model.act_bytes(True)
+  floor = _peak_activations(plan, report, 0, {r: int(least[r] * scale) for r in least})
+  if dataclasses.replace(peak, activations=floor).total > bound:
+    return peak
+  return dataclasses.replace(peak, fitted=bound)
 
 
 def _launch_seconds(model: MeasuredModel, plan: Plan, costs: CostModel) -> float:
@@ -509,10 +550,14 @@ def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) 
 def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
              example_batch: Any, directives: Sequence[Directive], n_devices: int, *,
              costs: CostModel | None = None, remat: bool | None = None,
-             options: LoweringOptions | None = None) -> Estimate:
+             options: LoweringOptions | None = None,
+             memory_limit: float | None = None) -> Estimate:
   """The step time and peak memory per device `search` would estimate for `directives`
   (see `search` for what they count), without devices. `options` are the
-  `pj.compile` options the step would be lowered with.
+  `pj.compile` options the step would be lowered with. `memory_limit`: the bytes per
+  device XLA compiles the step for (JAX's pool, `JAX_GPU_POOL` of a GPU's memory unless
+  `XLA_PYTHON_CLIENT_MEM_FRACTION` says otherwise); XLA fits a step of one microbatch
+  that would need more into it, where it can. None: as much as it needs.
 
   Raises:
     ValueError: for directives that do not plan.
@@ -523,4 +568,4 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
   if remat is not None:
     options = dataclasses.replace(options, remat=remat)
   options = options.resolved(plan.mesh.n_pp, "gpu")
-  return estimate_plan(model, plan, costs or CostModel(), options.remat, options)
+  return estimate_plan(model, plan, costs or CostModel(), options.remat, options, memory_limit)

@@ -25,7 +25,7 @@ from piper_jax.ir.directives import (Directive, Order, order, place, replicate, 
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.lowering import LoweringOptions
 from piper_jax.planner.hardware import ACCELERATORS, Accelerator, target_card
-from piper_jax.planner.costs import (CostModel, Estimate, MeasuredModel, estimate_plan,
+from piper_jax.planner.costs import (JAX_GPU_POOL, CostModel, Estimate, MeasuredModel, estimate_plan,
                                      format_bytes, format_time, measure_model)
 
 __all__ = ["Candidate", "Rejected", "SearchResult", "search", "PIPELINE_SCHEDULES"]
@@ -574,7 +574,8 @@ def _search_one(label: str | None, loss_fn: Callable, optimizer, params, example
                                f"does not plan: {e}"))
       continue
     est = estimate_plan(model, plan, c.costs,
-                        LoweringOptions(remat=c.remat).resolved(plan.mesh.n_pp, "gpu").remat)
+                        LoweringOptions(remat=c.remat).resolved(plan.mesh.n_pp, "gpu").remat,
+                        memory_limit=JAX_GPU_POOL * memory_per_device)
     mem = est.memory
     if mem.total > headroom * memory_per_device:
       of = ("" if headroom == 1 else
