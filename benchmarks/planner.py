@@ -137,7 +137,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
     mods = run.split_variant(variant)[1]
     remat = True if "remat" in mods else False if "noremat" in mods else None
     # XLA compiled the row for JAX's pool of the card's memory.
-    card = pj.planner.accelerator(target or r["device_kind"])
+    card = pj.planner.accelerator(target or r.get("device_kind", ""))
     limit = card and pj.planner.JAX_GPU_POOL * card.memory_bytes
     est = pj.strategies.estimate(family.loss_fn(net), optax.adamw(1e-4, weight_decay=0.1), params,
                                  batch, directives, n, costs=costs, remat=remat,
