@@ -295,6 +295,27 @@ def test_a_loop_on_one_device_costs_its_launches_and_holds_the_loss_cotangent():
 
 
 @pytest.mark.timeout(60)
+def test_accumulation_keeps_remats_residuals_and_the_weights_cast_once():
+  # On one rank a microbatch's F and B run as one chain, compiled together: XLA redoes
+  # elementwise values in the backward, so what stays is remat's residuals (XLA's
+  # buffers of Qwen3-1.7B's accumulation on an H200), and the loop keeps the weights
+  # it casts once a step. A step of one microbatch is costed as before.
+  import jax.numpy as jnp
+  config = gpt.get_config("tiny", n_stages=1, dtype=jnp.bfloat16)
+  loss, params, batch = _setup(gpt.GPT(config))
+  model = measure_model(loss, optax.adamw(1e-3), params, batch)
+  costs = pj.strategies.CostModel()
+  cast = sum(model.spec.params[p].nbytes * r for p, r in model.copy_ratio.items())
+  assert cast > 0 and model.act_bytes(True)[0] < model.act_bytes(False)[0]
+  two = estimate_plan(model, pj.plan(loss, [pj.split(2)], params, batch, 1), costs,
+                      remat=False).memory
+  assert two.weight_copies == int(cast)
+  assert two.activations == int(model.act_bytes(True)[0] * 0.5)
+  one = estimate_plan(model, pj.plan(loss, [], params, batch, 1), costs, remat=False).memory
+  assert one.weight_copies == 0 and one.activations == model.act_bytes(False)[0]
+
+
+@pytest.mark.timeout(60)
 def test_xla_fits_a_step_of_one_microbatch_into_its_memory_where_it_can():
   # A step of one microbatch compiles whole: above the memory XLA compiles for, it
   # rematerializes down to it, so long as what elementwise equations cannot redo fits

@@ -301,12 +301,19 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   report, compute = _simulated_compute(model, plan, costs, rows, scale)
   act = model.act_bytes(remat)
   full = model.act_bytes(False) if remat else act
+  one_rank_loop = lowers_as_loop(plan) and mesh.n_pp == 1
+  # A one-rank loop runs a microbatch's F and B as one chain in one branch, compiled
+  # together: XLA's fusions redo elementwise values in the backward, and what stays is
+  # remat's residuals (XLA's buffers of Qwen3-1.7B's accumulation on an H200 hold its
+  # matmuls' bf16 outputs and none of their fp32 elementwise successors).
+  chained = model.act_bytes(True) if one_rank_loop else act
   acts_of = [_peak_activations(plan, report, rank,
-                               {r: int(act[r] * scale) for r in plan.rank_regions(rank)})
+                               {r: int(chained[r] * scale) for r in plan.rank_regions(rank)})
              for rank in range(mesh.n_pp)]
-  stored = _stored_regions(plan) if lowers_as_loop(plan) and mesh.n_pp == 1 else set()
+  stored = _stored_regions(plan) if one_rank_loop else set()
   if stored:
-    acts_of = [_store_bytes(plan, report, {r: int(act[r] * scale) for r in act}, stored)]
+    acts_of = [_store_bytes(plan, report, {r: int(act[r] * scale) for r in act}, stored,
+                            {r: int(chained[r] * scale) for r in chained})]
   if lowers_as_loop(plan):
     # One program for every rank: each device allocates the stores of the rank that
     # keeps the most.
@@ -414,7 +421,9 @@ def _rank_memory(model: MeasuredModel, plan: Plan, rank: int, costs: CostModel,
   # ZeRO-3 a pipeline also casts its weights once a step and keeps the copies.
   masters = (options.shard_masters and options.cast_weights and zero in (1, 2) and n > 1
              and cast > 0)
-  copies = cast if masters or (pipelined and zero < 3) else 0
+  # A loop over microbatches (a pipeline, or accumulation on one rank) casts its weights
+  # once a step and keeps the copies; below ZeRO-3 that is the whole rank's.
+  copies = cast if masters or ((pipelined or m > 1) and zero < 3) else 0
   held = p_bytes if stacked is None else stacked  # parameters and optimizer state
   params = int(held / (n if zero >= 3 or masters else 1) + by_zero(3) + gathered)
   # A pipeline sums a stage's gradients whole over its microbatches, at any ZeRO stage,
@@ -513,14 +522,16 @@ def _stored_regions(plan: Plan) -> set[int]:
   return stored
 
 
-def _store_bytes(plan: Plan, report, nbytes: Mapping[int, int], stored: set[int]) -> int:
+def _store_bytes(plan: Plan, report, nbytes: Mapping[int, int], stored: set[int],
+                 chained: Mapping[int, int] | None = None) -> int:
   """A one-rank loop's activations when the residuals of regions `stored`
   (`_stored_regions`) live in its stores: those stores whole for the step (a row per
   microbatch the schedule keeps alive, and a scratch row), and beside them the largest
-  residuals a chain keeps in its branch."""
+  residuals a chain keeps in its branch (`chained`, default `nbytes`)."""
+  chained = nbytes if chained is None else chained
   rows = sum(_peak_activations(plan, report, 0, {q: nbytes[q] if q == r else 0 for q in nbytes})
              + nbytes[r] for r in stored)
-  return int(rows + max((nbytes[r] for r in nbytes if r not in stored), default=0))
+  return int(rows + max((chained[r] for r in chained if r not in stored), default=0))
 
 
 def _peak_activations(plan: Plan, report, rank: int, nbytes: Mapping[int, int]) -> int:
