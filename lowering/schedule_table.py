@@ -282,8 +282,9 @@ def _group_tasks(ticks, reads, produces) -> tuple[dict, dict]:
   """Groups: a rank's tasks of a tick, cut where a task reads nothing the group made on
   its microbatch. A chain becomes one kind only where it holds most of each of its steps'
   runs (1F1B's last stage, F and B every tick): a kind's code is compiled once per kind
-  it is part of, for rare chains of warm-up and cool-down too. Returns ((tick, rank,
-  slot) -> tasks, (tick, rank, slot) -> index of its first task in the rank's tick)."""
+  it is part of, for rare chains of warm-up and cool-down too, which are cut into the
+  kept chains they hold and single tasks (`_kept_parts`). Returns ((tick, rank, slot) ->
+  tasks, (tick, rank, slot) -> index of its first task in the rank's tick)."""
   chains: list[tuple[int, int, list]] = []   # (tick, rank, tasks)
   for ti, tick in enumerate(ticks):
     for r, ts in enumerate(tick):
@@ -298,18 +299,30 @@ def _group_tasks(ticks, reads, produces) -> tuple[dict, dict]:
         made_here |= set(produces(t))
   runs = collections.Counter((t.region, t.pass_) for _, _, ts in chains for t in ts)
   pattern = collections.Counter(tuple((t.region, t.pass_) for t in ts) for _, _, ts in chains)
+  kept = {steps for steps in pattern if all(2 * pattern[steps] > runs[st] for st in steps)}
   groups: dict[tuple[int, int, int], list] = {}   # (tick, rank, slot) -> tasks
   first_task: dict[tuple[int, int, int], int] = {}
   placed: dict[tuple[int, int], tuple[int, int]] = {}   # (tick, rank) -> (slots, tasks)
   for ti, r, ts in chains:
-    steps = tuple((t.region, t.pass_) for t in ts)
-    keep = all(2 * pattern[steps] > runs[st] for st in steps)
-    for part in ([ts] if keep else [[t] for t in ts]):
+    for part in _kept_parts(ts, kept):
       slot, n = placed.get((ti, r), (0, 0))
       placed[(ti, r)] = (slot + 1, n + len(part))
       groups[(ti, r, slot)] = part
       first_task[(ti, r, slot)] = n
   return groups, first_task
+
+
+def _kept_parts(ts: list, kept: set) -> list[list]:
+  """A chain cut into kept chains where its steps run as one (left to right, the longest
+  first) and single tasks elsewhere: warm-up's chains reuse the steady state's kinds
+  instead of adding single kinds beside them, which would compile their code twice."""
+  steps = [(t.region, t.pass_) for t in ts]
+  parts, i = [], 0
+  while i < len(ts):
+    n = next((n for n in range(len(ts) - i, 1, -1) if tuple(steps[i:i + n]) in kept), 1)
+    parts.append(ts[i:i + n])
+    i += n
+  return parts
 
 
 def _task_kinds(groups: dict, first_task: dict, reads, produces, store_of, regrouped: set

@@ -126,6 +126,18 @@ def test_accumulation_and_stages_sharing_a_device_run_as_one_loop():
   assert _built(shared + pj.schedules.one_f_one_b(2, 4), 1).tick_loop
 
 
+def test_stages_sharing_a_device_compile_each_step_once():
+  # 1F1B of two stages on one device: the last stage's F and B run as one chain every
+  # microbatch, and warm-up's first chain (F0 F1 B1) is cut into F0 and that chain, not
+  # into single tasks whose code would be compiled beside the chain's.
+  shared = [pj.split(8), pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [0])]
+  directives = shared + pj.schedules.one_f_one_b(2, 8)
+  steps = [s for k in _built(directives, 1).schedule_table.kinds for s in k.steps]
+  assert len(steps) == len(set(steps)) == 4
+  assert_same_run(mlp_loss(2), init_mlp(jax.random.PRNGKey(0), 2), directives, batch_size=16,
+                  devices=jax.devices()[:1])
+
+
 def test_bucketed_pipelines_loop_and_one_microbatch_on_one_rank_is_written_out():
   # A loop reduces bucketed gradients once, after its last tick; a step of one
   # microbatch on one rank has no ticks that repeat and is written out tick by tick.
