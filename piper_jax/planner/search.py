@@ -419,9 +419,12 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
   as `pj.compile` applies it: default on for pipelines) and its activation inputs, alive
   from the end of its F to the end of its last backward in the simulation, summed at
   their peak. Without accumulation or a pipeline, gradients and activations count as
-  the larger of the two (one backward frees the one as it makes the other). A pipeline
-  also keeps its weights cast once a step (the bf16 copies of fp32 masters) and, under
-  remat, the largest backward's recomputed residuals. ZeRO-1/2 of a model that reads
+  the larger of the two (one backward frees the one as it makes the other), and a step
+  above XLA's memory (`JAX_GPU_POOL` of `memory_per_device`) counts as fitted to it where
+  remat's residuals would fit (XLA rematerializes such a step). Accumulation on one rank
+  keeps remat's residuals (XLA compiles each microbatch's F and B together). A pipeline
+  or accumulation also keeps its weights cast once a step (the bf16 copies of fp32
+  masters) and, under remat, the largest backward's recomputed residuals. ZeRO-1/2 of a model that reads
   its fp32 weights in bf16 shard the fp32 parameters too and hold the bf16 copy whole
   (`LoweringOptions.shard_masters`). XLA's temporaries, communication
   buffers and fragmentation are left out: leave headroom.
