@@ -301,7 +301,8 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   report, compute = _simulated_compute(model, plan, costs, rows, scale)
   act = model.act_bytes(remat)
   full = model.act_bytes(False) if remat else act
-  one_rank_loop = lowers_as_loop(plan) and mesh.n_pp == 1
+  looped = lowers_as_loop(plan)
+  one_rank_loop = looped and mesh.n_pp == 1
   # A one-rank loop runs a microbatch's F and B as one chain in one branch, compiled
   # together: XLA's fusions redo elementwise values in the backward, and what stays is
   # remat's residuals (XLA's buffers of Qwen3-1.7B's accumulation on an H200 hold its
@@ -314,7 +315,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   if stored:
     acts_of = [_store_bytes(plan, report, {r: int(act[r] * scale) for r in act}, stored,
                             {r: int(chained[r] * scale) for r in chained})]
-  if lowers_as_loop(plan):
+  if looped:
     # One program for every rank: each device allocates the stores of the rank that
     # keeps the most.
     acts_of = [max(acts_of)] * mesh.n_pp
@@ -338,7 +339,7 @@ def estimate_plan(model: MeasuredModel, plan: Plan, costs: CostModel, remat: boo
   # earlier ones): only communication beyond the compute's time shows, besides what
   # the regions wait for. A pipeline's loop reduces after its last tick and waits for
   # its messages each tick. The update follows the summed gradients.
-  if memory_limit and not lowers_as_loop(plan):
+  if memory_limit and not looped:
     peak = _fitted(model, plan, report, peak, memory_limit, scale)
   if mesh.n_pp > 1:
     step = compute + comm + update
