@@ -85,10 +85,14 @@ def _written(stores: list, values) -> list:
 
 def _operands(c: LoopCarry, params, batch: list, mb, read_rows, write_rows) -> dict:
   """A branch's operands: the carry, the step's weights and batch, and the slot's
-  microbatch and store rows."""
+  microbatch and store rows, each row its own operand: a kernel that reads a store row
+  then takes its row as a parameter, not from a position of one vector fixed in its
+  code, so that regions which trace alike (a model's middle blocks) make identical
+  kernels, which XLA compiles once."""
+  scalars = lambda rows: [rows[x] for x in range(rows.shape[0])]
   return {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
-          "params": params, "batch": batch, "mb": mb, "read_rows": read_rows,
-          "write_rows": write_rows}
+          "params": params, "batch": batch, "mb": mb, "read_rows": scalars(read_rows),
+          "write_rows": scalars(write_rows)}
 
 
 class TickLoop:
