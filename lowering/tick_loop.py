@@ -78,8 +78,8 @@ def _written(stores: list, values) -> list:
   """`stores` with each (store, value, row) of `values` written into that row."""
   stores = list(stores)
   for st, x, row in values:
-    stores[st] = lax.dynamic_update_index_in_dim(stores[st], x, row, 0,
-                                                 allow_negative_indices=False)
+    stores[st] = lax.dynamic_update_index_in_dim(stores[st], x.reshape(stores[st].shape[1:]),
+                                                 row, 0, allow_negative_indices=False)
   return stores
 
 
@@ -93,6 +93,13 @@ def _operands(c: LoopCarry, params, batch: list, mb, read_rows, write_rows) -> d
   return {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
           "params": params, "batch": batch, "mb": mb, "read_rows": scalars(read_rows),
           "write_rows": scalars(write_rows)}
+
+
+def _size(shape) -> int:
+  """Elements of a store's value: stores keep each value flat, [rows, size], so that a
+  row's reads and writes are two-dimensional whatever the value's rank, which XLA
+  compiles into smaller kernels, alike for values of one size."""
+  return int(np.prod(shape, dtype=np.int64))
 
 
 class TickLoop:
@@ -144,8 +151,10 @@ class TickLoop:
         if key in made:
           return made[key]
         x = where[key]
-        return lax.dynamic_index_in_dim(stores[kind.reads[x]], ops["read_rows"][x], 0,
-                                        keepdims=False, allow_negative_indices=False)
+        st = kind.reads[x]
+        return lax.dynamic_index_in_dim(stores[st], ops["read_rows"][x], 0, keepdims=False,
+                                        allow_negative_indices=False
+                                        ).reshape(self.table.stores[st].shape)
 
       step_params: StepParams = ops["params"]
       own = step_params.own
@@ -165,8 +174,9 @@ class TickLoop:
                                           allow_negative_indices=False)
                  for b in prog.model.regions[t.region].batch]
         loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
-      written = [(kind.writes[j], made[key].astype(stores[kind.writes[j]].dtype),
-                  ops["write_rows"][j]) for j, key in enumerate(write_keys)]
+      dtype = lambda st: jnp.dtype(self.table.stores[st].dtype)
+      written = [(kind.writes[j], made[key].astype(dtype(kind.writes[j])), ops["write_rows"][j])
+                 for j, key in enumerate(write_keys)]
       acc, split_acc = dict(ops["acc"]), dict(ops["split_acc"])
       if any(t.pass_ in _GRAD_PASSES for t in tasks):
         prog.grads.add_task(rank, grad_acc, acc, split_acc)
@@ -181,9 +191,10 @@ class TickLoop:
     value, row) values at their positions, zeros (for the store's scratch row) at the
     others."""
     stores = self.table.stores
-    values = [jnp.zeros(stores[st].shape, jnp.dtype(stores[st].dtype)) for st, _ in self.positions]
+    values = [jnp.zeros((_size(stores[st].shape),), jnp.dtype(stores[st].dtype))
+              for st, _ in self.positions]
     for p, (_, x, _) in zip(self._write_positions([st for st, _, _ in written]), written):
-      values[p] = x
+      values[p] = x.reshape(-1)
     return SlotOut(values, acc, split_acc, loss)
 
   def _write_positions(self, writes) -> list[int]:
@@ -240,10 +251,10 @@ class TickLoop:
     """The table's regroups after a slot, in order, on the stores' rows `rows` gives."""
     stores = list(c.stores)
     for n, g in enumerate(self.table.regroups):
+      source, target = self.table.stores[g.source], self.table.stores[g.target]
       x = lax.dynamic_index_in_dim(stores[g.source], rows[n, 0], 0, keepdims=False,
-                                   allow_negative_indices=False)
-      target = stores[g.target]
-      y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape[1:], target.dtype))
+                                   allow_negative_indices=False).reshape(source.shape)
+      y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape, jnp.dtype(target.dtype)))
       stores = _written(stores, [(g.target, y, rows[n, 1])])
     return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
@@ -264,7 +275,7 @@ class TickLoop:
     position the step adds to must be present)."""
     table = self.table
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
-    stores = [jnp.zeros((s.depth + 1,) + s.shape, jnp.dtype(s.dtype)) for s in table.stores]
+    stores = [jnp.zeros((s.depth + 1, _size(s.shape)), jnp.dtype(s.dtype)) for s in table.stores]
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
     position_rows = jnp.asarray(self._position_rows()) if self.write_after else None
