@@ -83,16 +83,22 @@ def _written(stores: list, values) -> list:
   return stores
 
 
-def _operands(c: LoopCarry, params, batch: list, mb, read_rows, write_rows) -> dict:
+def _operands(c: LoopCarry, params, batch: list, mb, read_rows: list, write_rows: list
+              ) -> dict:
   """A branch's operands: the carry, the step's weights and batch, and the slot's
-  microbatch and store rows, each row its own operand: a kernel that reads a store row
-  then takes its row as a parameter, not from a position of one vector fixed in its
-  code, so that regions which trace alike (a model's middle blocks) make identical
-  kernels, which XLA compiles once."""
-  scalars = lambda rows: [rows[x] for x in range(rows.shape[0])]
+  microbatch and store rows, each row its own scalar operand (`_columns`)."""
   return {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
-          "params": params, "batch": batch, "mb": mb, "read_rows": scalars(read_rows),
-          "write_rows": scalars(write_rows)}
+          "params": params, "batch": batch, "mb": mb, "read_rows": read_rows,
+          "write_rows": write_rows}
+
+
+def _columns(rows: np.ndarray) -> list:
+  """The table's rows of each read or write position (its last axis) as an array of
+  their own: a kernel that reads a store row then takes the row as a parameter, not from
+  a position of one vector fixed in its code, so that regions which trace alike (a
+  model's middle blocks) make identical kernels, and the rows of every position are
+  looked up by one kernel; XLA compiles each of those once."""
+  return [jnp.asarray(rows[..., n]) for n in range(rows.shape[-1])]
 
 
 def _size(shape) -> int:
@@ -233,15 +239,17 @@ class TickLoop:
     parallel's) sit in the loop's body."""
     table, p = self.table, self.period
     flat = lambda a: jnp.asarray(a[:, 0].reshape((-1,) + a.shape[3:]))  # [tick * slot, ...]
-    mb, read_rows, write_rows, regroup_rows = (
-        flat(a) for a in (table.mb, table.read_rows, table.write_rows, table.regroup_rows))
+    mb, regroup_rows = flat(table.mb), flat(table.regroup_rows)
+    read_rows, write_rows = (_columns(np.asarray(a[:, 0]).reshape((-1, a.shape[-1])))
+                             for a in (table.read_rows, table.write_rows))
     seq = table.code[:, 0].reshape(-1)
 
     def repeat(i, c: LoopCarry) -> LoopCarry:
       for j, code in enumerate(seq[:p]):
         f = i * p + j
         if code:
-          c = branches[code](_operands(c, params, batch, mb[f], read_rows[f], write_rows[f]))
+          c = branches[code](_operands(c, params, batch, mb[f], [a[f] for a in read_rows],
+                                       [a[f] for a in write_rows]))
         c = self._regroup(c, regroup_rows[f])
       return c
 
@@ -279,15 +287,16 @@ class TickLoop:
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
     position_rows = jnp.asarray(self._position_rows()) if self.write_after else None
-    code, mb, read_rows, write_rows, send_rows, recv_rows, regroup_rows = (
-        jnp.asarray(x) for x in (table.code, table.mb, table.read_rows, table.write_rows,
-                                 table.send_rows, table.recv_rows, table.regroup_rows))
+    code, mb, send_rows, recv_rows, regroup_rows = (
+        jnp.asarray(x) for x in (table.code, table.mb, table.send_rows, table.recv_rows,
+                                 table.regroup_rows))
+    read_rows, write_rows = _columns(table.read_rows), _columns(table.write_rows)
     rank = lax.axis_index("pp")
 
     def tick(i, c: LoopCarry) -> LoopCarry:
       def slot(s, c: LoopCarry) -> LoopCarry:
-        ops = _operands(c, params, batch, mb[i, rank, s], read_rows[i, rank, s],
-                        write_rows[i, rank, s])
+        ops = _operands(c, params, batch, mb[i, rank, s], [a[i, rank, s] for a in read_rows],
+                        [a[i, rank, s] for a in write_rows])
         out = self._switch(code[i, rank, s], branches, ops)
         if self.write_after:
           out = LoopCarry(_written(c.stores, [(st, out.values[p], position_rows[i, rank, s, p])
