@@ -70,9 +70,14 @@ class Store:
     return self.depth
 
   @property
+  def size(self) -> int:
+    """Elements of one value (one row)."""
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
   def nbytes(self) -> int:
     """Bytes of the buffer, scratch row included (every device allocates it)."""
-    return (self.depth + 1) * int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+    return (self.depth + 1) * self.size * np.dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,13 +101,6 @@ def _columns(rows: np.ndarray) -> list:
   return [jnp.asarray(rows[..., n]) for n in range(rows.shape[-1])]
 
 
-def _size(shape) -> int:
-  """Elements of a store's value: stores keep each value flat, [rows, size], so that a
-  row's reads and writes are two-dimensional whatever the value's rank, which XLA
-  compiles into smaller kernels, alike for values of one size."""
-  return int(np.prod(shape, dtype=np.int64))
-
-
 class TickLoop:
   """Lowers `prog`'s plan as one `lax.fori_loop` over its ticks."""
 
@@ -197,8 +190,7 @@ class TickLoop:
     value, row) values at their positions, zeros (for the store's scratch row) at the
     others."""
     stores = self.table.stores
-    values = [jnp.zeros((_size(stores[st].shape),), jnp.dtype(stores[st].dtype))
-              for st, _ in self.positions]
+    values = [jnp.zeros((stores[st].size,), jnp.dtype(stores[st].dtype)) for st, _ in self.positions]
     for p, (_, x, _) in zip(self._write_positions([st for st, _, _ in written]), written):
       values[p] = x.reshape(-1)
     return SlotOut(values, acc, split_acc, loss)
@@ -240,7 +232,7 @@ class TickLoop:
     table, p = self.table, self.period
     flat = lambda a: jnp.asarray(a[:, 0].reshape((-1,) + a.shape[3:]))  # [tick * slot, ...]
     mb, regroup_rows = flat(table.mb), flat(table.regroup_rows)
-    read_rows, write_rows = (_columns(np.asarray(a[:, 0]).reshape((-1, a.shape[-1])))
+    read_rows, write_rows = (_columns(a[:, 0].reshape((-1, a.shape[-1])))
                              for a in (table.read_rows, table.write_rows))
     seq = table.code[:, 0].reshape(-1)
 
@@ -283,7 +275,9 @@ class TickLoop:
     position the step adds to must be present)."""
     table = self.table
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
-    stores = [jnp.zeros((s.depth + 1, _size(s.shape)), jnp.dtype(s.dtype)) for s in table.stores]
+    # Each value lies flat in its row, [rows, size]: a row's reads and writes are then
+    # two-dimensional whatever the value's rank, which XLA compiles into smaller kernels.
+    stores = [jnp.zeros((s.depth + 1, s.size), jnp.dtype(s.dtype)) for s in table.stores]
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
     position_rows = jnp.asarray(self._position_rows()) if self.write_after else None
