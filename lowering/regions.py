@@ -246,6 +246,10 @@ class _Ident:
 
 def _freeze(x):
   """A hashable stand-in for an equation parameter, equal only for values that trace alike."""
+  if isinstance(x, ClosedJaxpr):
+    return (ClosedJaxpr, _jaxpr_key(x.jaxpr, x.consts))
+  if isinstance(x, Jaxpr):
+    return (Jaxpr, _jaxpr_key(x, ()))
   if isinstance(x, (tuple, list)):
     return (type(x), tuple(_freeze(y) for y in x))
   if isinstance(x, (set, frozenset)):
@@ -271,6 +275,32 @@ def _aval_key(a) -> tuple:
   return (tuple(a.shape), jnp.dtype(a.dtype).str)
 
 
+def _eqn_key(e, ref) -> tuple:
+  """An equation up to its variables' names and its source information, its inputs as
+  `ref` names them."""
+  return (e.primitive, _freeze(e.params), tuple(ref(v) for v in e.invars),
+          tuple(_aval_key(v.aval) for v in e.outvars), _freeze(e.ctx), _freeze(e.effects))
+
+
+def _jaxpr_key(jaxpr, consts) -> tuple:
+  """A sub-jaxpr (a checkpoint's, a custom derivative's primal) by its structure: each
+  trace of a block makes its own jaxpr objects, which must still key alike."""
+  refs = {v: ("in", k) for k, v in enumerate(jaxpr.invars)}
+  refs.update((v, ("const", k)) for k, v in enumerate(jaxpr.constvars))
+
+  def ref(v):
+    if isinstance(v, Literal):
+      return ("literal", _array_key(v.val), _aval_key(v.aval))
+    return refs[v]
+
+  eqns = []
+  for e in jaxpr.eqns:
+    eqns.append(_eqn_key(e, ref))
+    refs.update((v, ("eqn", len(refs))) for v in e.outvars)
+  return (tuple(map(_aval_key, (v.aval for v in jaxpr.invars))), tuple(map(_array_key, consts)),
+          tuple(eqns), tuple(ref(v) for v in jaxpr.outvars), _freeze(jaxpr.effects))
+
+
 def region_key(runner: RegionRunner, r: int, remat: bool = False) -> tuple:
   """What `analyze_region(runner, r, remat)` depends on, up to the names of variables and
   the equations' source information: regions with equal keys trace to the same jaxprs
@@ -294,11 +324,8 @@ def region_key(runner: RegionRunner, r: int, remat: bool = False) -> tuple:
 
   eqns = []
   for e in reg.eqns:
-    ins = tuple(ref(v) for v in e.invars)
-    for v in e.outvars:
-      refs[v] = ("eqn", len(refs))
-    eqns.append((e.primitive, _freeze(e.params), ins, tuple(_aval_key(v.aval) for v in e.outvars),
-                 _freeze(e.ctx), _freeze(e.effects)))
+    eqns.append(_eqn_key(e, ref))
+    refs.update((v, ("eqn", len(refs))) for v in e.outvars)
   return (kind, runner.axes[kind] if kind else None, tuple(dims.get(p) for p in spec.params),
           tuple(map(_aval_key, p_avals)), tuple(map(_aval_key, b_avals)),
           tuple(map(_aval_key, a_avals)), tuple(x.differentiable for x in spec.inputs),

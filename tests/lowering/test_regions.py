@@ -15,8 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 D = 8
 
 
-def _model(hidden: tuple[int, ...]):
-  """Params and loss of an MLP with one PP region per entry of `hidden` (its width)."""
+def _model(hidden: tuple[int, ...], checkpointed: bool = False):
+  """Params and loss of an MLP with one PP region per entry of `hidden` (its width);
+  `checkpointed`: each stage's hidden layer under its own `jax.checkpoint`."""
   ks = jax.random.split(jax.random.PRNGKey(0), 2 * len(hidden) + 1)
   params = {"head": jax.random.normal(ks[-1], (D, 3)) * 0.3}
   for s, h in enumerate(hidden):
@@ -28,7 +29,10 @@ def _model(hidden: tuple[int, ...]):
     for s in range(len(hidden)):
       with pj.annotate("PP"):
         p = params[f"stage{s}"]
-        x = x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+        hidden_layer = lambda x, w: jnp.tanh(x @ w)
+        if checkpointed:  # each stage traces its own checkpoint jaxpr
+          hidden_layer = jax.checkpoint(hidden_layer)
+        x = x + hidden_layer(x, p["w1"]) @ p["w2"]
     logits = x @ params["head"]
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
@@ -36,8 +40,8 @@ def _model(hidden: tuple[int, ...]):
   return loss, params, batch
 
 
-def _compile(hidden, monkeypatch):
-  """The step's program and the regions `analyze_region` traced."""
+def _compile(hidden, monkeypatch, checkpointed=False):
+  """The step, its program and the regions `analyze_region` traced."""
   traced = []
   real = program.analyze_region
 
@@ -46,14 +50,28 @@ def _compile(hidden, monkeypatch):
     return real(runner, r, remat)
 
   monkeypatch.setattr(program, "analyze_region", counting)
-  loss, params, batch = _model(hidden)
+  loss, params, batch = _model(hidden, checkpointed)
   step = pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(len(hidden), 4, schedule="1f1b"),
                     params, batch, devices=jax.devices()[:len(hidden)])
-  return step._program, traced
+  return step, step._program, traced
+
+
+def test_checkpointed_stages_are_traced_once_and_step_as_one_device(monkeypatch):
+  # Each stage's checkpoint holds a jaxpr of its own; equal ones still key alike.
+  step, _, traced = _compile((16, 16, 16, 16), monkeypatch, checkpointed=True)
+  assert traced == [0, 1, 3]
+  loss, params, batch = _model((16, 16, 16, 16), checkpointed=True)
+  state = step.init(params)
+  state, _ = step(state, batch)
+  grads = jax.grad(loss)(params, batch)
+  want = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+  got = step.params(state)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    assert jnp.allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_equal_stages_are_traced_once(monkeypatch):
-  prog, traced = _compile((16, 16, 16, 16), monkeypatch)
+  _, prog, traced = _compile((16, 16, 16, 16), monkeypatch)
   # The first stage takes the batch and the last one the head: only 1 and 2 are equal.
   assert traced == [0, 1, 3]
   a, b = prog.ad[1], prog.ad[2]
@@ -67,7 +85,7 @@ def test_equal_stages_are_traced_once(monkeypatch):
 
 
 def test_a_stage_of_other_shapes_is_traced_apart(monkeypatch):
-  prog, traced = _compile((16, 16, 32, 16), monkeypatch)
+  _, prog, traced = _compile((16, 16, 32, 16), monkeypatch)
   assert traced == [0, 1, 2, 3]
   assert prog.ad[2].stored != prog.ad[1].stored
 
