@@ -9,7 +9,7 @@ import dataclasses
 
 from piper_jax.ir.graph import TensorSpec
 
-__all__ = ["ActivationRef", "RegionSpec", "ModelSpec"]
+__all__ = ["ActivationRef", "Gemm", "RegionSpec", "ModelSpec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +20,36 @@ class ActivationRef:
   output: int
   spec: TensorSpec
   differentiable: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+  """Matmuls of one shape in a region's forward, at the traced batch: `count` products
+  of [m, k] by [k, n] (a batched product's per batch element: one expert's, one head's).
+
+  A smaller batch gives each fewer rows `m`, or, for attention's products (one per
+  sequence and head) and a batched product of single rows, fewer of them.
+
+  attention: attention's score or value products.
+  causal: under a causal mask, whose upper half a fused attention kernel skips.
+  """
+
+  m: int
+  k: int
+  n: int
+  count: int
+  attention: bool = False
+  causal: bool = False
+
+  @property
+  def flops(self) -> float:
+    return 2.0 * self.m * self.k * self.n
+
+  def at(self, scale: float) -> "Gemm":
+    """These products at `scale` of the traced batch's rows (at least one row each)."""
+    if self.attention or self.m == 1:
+      return dataclasses.replace(self, count=max(1, round(self.count * scale)))
+    return dataclasses.replace(self, m=max(1, round(self.m * scale)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +67,7 @@ class RegionSpec:
   # Of those, the FLOPs its backward runs again (what jax.checkpoint leaves to recompute).
   recompute_flops: float = 0.0
   matmuls: int = 0                     # its forward's matmuls (kernels a task launches)
+  gemms: tuple[Gemm, ...] = ()         # its forward's matmuls by size (how fast each runs)
 
   @property
   def name(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from piper_jax.ir.graph import TensorSpec
-from piper_jax.ir.model import ActivationRef, ModelSpec, RegionSpec
+from piper_jax.ir.model import ActivationRef, Gemm, ModelSpec, RegionSpec
 from piper_jax.lowering.compat import Literal, Var, eval_eqns, name_stack
 from piper_jax.lowering.scopes import parse_scope, reset_counters
 
@@ -55,23 +56,88 @@ def _is_float(aval) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
-def _sub_eqns(eqn):
-  """The equations of `eqn`'s sub-jaxprs (a jit's, a checkpoint's, a scan's body)."""
+def _sub_jaxprs(eqn):
+  """`eqn`'s sub-jaxprs (a jit's, a checkpoint's, a scan's body)."""
   for p in eqn.params.values():
     sub = getattr(p, "jaxpr", p)
     if hasattr(sub, "eqns"):
-      yield from sub.eqns
+      yield sub
+
+
+def _sub_eqns(eqn):
+  """The equations of `eqn`'s sub-jaxprs."""
+  for sub in _sub_jaxprs(eqn):
+    yield from sub.eqns
+
+
+# cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`).
+_FUSED_ATTENTION = "dot_product_attention_fwd_wrapper"
+
+
+def _fused_attention_flops(eqn) -> float:
+  """Score and value products of a fused attention over [batch, seq, heads, head_dim]."""
+  b, t, n, h = eqn.invars[0].aval.shape
+  return 4.0 * b * t * n * h * eqn.invars[1].aval.shape[1]
 
 
 def _eqn_flops(eqn) -> float:
-  """Matmul FLOPs of an equation (2*M*N*K per dot_general), recursing into sub-jaxprs."""
+  """Matmul FLOPs of an equation (2*M*N*K per dot_general, attention's products in a
+  fused kernel), recursing into sub-jaxprs."""
   if eqn.primitive.name == "dot_general":
     (lc, _), _ = eqn.params["dimension_numbers"]
     k = 1
     for d in lc:
       k *= eqn.invars[0].aval.shape[d]
     return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * k
+  if eqn.primitive.name == _FUSED_ATTENTION:
+    return _fused_attention_flops(eqn)
   return sum(_eqn_flops(e) for e in _sub_eqns(eqn))
+
+
+def _causal_mask_size(eqns) -> int | None:
+  """The sequence length of a causal mask made among `eqns` (`jnp.tril`, as
+  `jax.nn.dot_product_attention` makes it), else None."""
+  for e in eqns:
+    if e.params.get("name") == "tril" and len(e.outvars[0].aval.shape) == 2:
+      return int(e.outvars[0].aval.shape[0])
+  return None
+
+
+def _gemms(eqns) -> list[Gemm]:
+  """The GEMMs of `eqns` by shape, recursing into sub-jaxprs (`Gemm`). Attention's are the
+  batched products beside a causal mask with that mask's length twice in an operand or
+  their output ([.., T, .., T] scores), and fused attention's."""
+  causal = _causal_mask_size(eqns)
+  out = []
+  for e in eqns:
+    if e.primitive.name == "dot_general":
+      (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+      lhs, rhs = e.invars[0].aval.shape, e.invars[1].aval.shape
+      size = lambda shape, dims: math.prod(shape[d] for d in dims)
+      free = lambda shape, *used: math.prod(x for d, x in enumerate(shape)
+                                            if d not in used[0] and d not in used[1])
+      masked = causal is not None and bool(lb) and any(
+          list(v.aval.shape).count(causal) >= 2 for v in (*e.invars, *e.outvars))
+      out.append(Gemm(free(lhs, lc, lb), size(lhs, lc), free(rhs, rc, rb), size(lhs, lb),
+                      attention=masked, causal=masked))
+    elif e.primitive.name == _FUSED_ATTENTION:
+      b, t, n, h = e.invars[0].aval.shape
+      s = e.invars[1].aval.shape[1]
+      causal_mask = str(e.params.get("mask_type", "")).endswith("CAUSAL")
+      out += [Gemm(t, h, s, b * n, True, causal_mask), Gemm(t, s, h, b * n, True, causal_mask)]
+    else:
+      for sub in _sub_jaxprs(e):
+        out += _gemms(sub.eqns)
+  return out
+
+
+def _merged(gemms: list[Gemm]) -> tuple[Gemm, ...]:
+  """Gemms of one size and kind as one entry, counted together."""
+  counts: dict[Gemm, int] = {}
+  for g in gemms:
+    key = dataclasses.replace(g, count=1)
+    counts[key] = counts.get(key, 0) + g.count
+  return tuple(dataclasses.replace(g, count=n) for g, n in counts.items())
 
 
 def _eqn_matmuls(eqn) -> int:
@@ -295,7 +361,7 @@ class TracedLoss:
           batch=tuple(batch_idx[v] for v in r.batch_vars), inputs=tuple(inputs), outputs=outs,
           produces_loss=(i == self.loss_region), flops=sum(_eqn_flops(e) for e in r.eqns),
           recompute_flops=sum(_recompute_flops(e) for e in r.eqns),
-          matmuls=sum(_eqn_matmuls(e) for e in r.eqns)))
+          matmuls=sum(_eqn_matmuls(e) for e in r.eqns), gemms=_merged(_gemms(r.eqns))))
     return ModelSpec(
         regions=tuple(specs),
         params=tuple(_spec(n, a, names)
