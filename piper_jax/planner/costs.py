@@ -56,6 +56,9 @@ class CostModel:
       given, tasks cost these instead of their FLOPs at `flops_per_s`, and the update
       its measured seconds per byte (when `pj.calibrate` was given the optimizer)
       instead of `memory_bytes_per_s`.
+    card: the card planned for, when its GEMM figures are known
+      (`Accelerator.gemm_efficiency`): each task costs its GEMMs one by one, by size,
+      and fused attention's at its own rate, instead of all FLOPs at `flops_per_s`.
   """
 
   flops_per_s: float = 400e12
@@ -64,6 +67,7 @@ class CostModel:
   launch_overhead_s: float = 11e-6
   memory_bytes_per_s: float = 3e12
   region_times: RegionTimes | None = None
+  card: Accelerator | None = None
 
   @classmethod
   def for_accelerator(cls, card: "Accelerator | str", mfu: float = 0.55,
@@ -71,11 +75,14 @@ class CostModel:
     """The cost model of a card the planner knows (`ACCELERATORS`, or its name): matmuls
     at `mfu` of its dense bf16 peak (dense models of 1-8B parameters reach 0.55-0.57 on
     an H200 with cuDNN attention), its memory bandwidth and its links within a host,
-    whatever machine plans; `fields` set the others (`region_times`, ...)."""
+    whatever machine plans; where the planner knows the card's GEMMs
+    (`Accelerator.gemm_efficiency`), matmuls by size instead; `fields` set the others
+    (`region_times`, ...)."""
     found = target_card(card)
     return cls(**{"flops_per_s": mfu * found.peak_flops,
                   "memory_bytes_per_s": found.memory_bytes_per_s,
-                  "link_bytes_per_s": found.link_bytes_per_s, **fields})
+                  "link_bytes_per_s": found.link_bytes_per_s,
+                  "card": found if found.gemm_efficiency > 0 else None, **fields})
 
   def update_seconds(self, param_bytes: float, opt_ratio: float) -> float:
     """Seconds of the optimizer's update over `param_bytes` of parameters with
@@ -383,10 +390,30 @@ def _simulated_compute(model: MeasuredModel, plan: Plan, costs: CostModel, rows:
   if costs.region_times is not None:  # measured seconds per task
     report = plan.simulate(costs.region_times.costs(rows))
     return report, report.tick_makespan + costs.tick_overhead_s * len(plan.ticks)
+  if costs.card is not None:
+    report = plan.simulate(_gemm_costs(model, plan, costs.card, scale))
+    return report, report.tick_makespan + costs.tick_overhead_s * len(plan.ticks)
   report = plan.simulate("flops")
   top = max([r.flops for r in model.spec.regions] + [0.0])
   unit = top * scale / costs.flops_per_s  # seconds per simulated unit (largest region's F)
   return report, report.tick_makespan * unit + costs.tick_overhead_s * len(plan.ticks)
+
+
+def _gemm_costs(model: MeasuredModel, plan: Plan, card: Accelerator, scale: float) -> dict:
+  """`Plan.simulate` costs of each region on `card`, GEMM by GEMM at a microbatch's
+  `scale` of the traced batch: F its GEMMs, B twice them and what it recomputes. An
+  expert-parallel device runs fewer experts on more tokens each: the group's."""
+  out = {"comm": 0.0}
+  for r in model.spec.regions:
+    ep = plan.mesh.size("ep") if plan.mesh.sharded.get(r.index) == "ep" else 1
+    f = 0.0
+    for g in r.gemms:
+      f += card.gemm_seconds(dataclasses.replace(g.at(scale * ep), count=g.count // ep)
+                             if ep > 1 and not g.attention else g.at(scale))
+    again = f * r.recompute_flops / r.flops if r.flops else 0.0
+    out[(r.index, "F")], out[(r.index, "B")] = f, 2 * f + again
+    out[(r.index, "BI")], out[(r.index, "BW")] = f + again, f
+  return out
 
 
 def _rank_memory(model: MeasuredModel, plan: Plan, rank: int, costs: CostModel,

@@ -398,8 +398,10 @@ def search(loss_fn: Callable, optimizer: optax.GradientTransformation, params: A
     output (F) and input cotangent (B) are all-reduced over the group.
 
   Step time (`CostModel`): the plan's tick-by-tick simulated makespan with each task
-  costing its regions' matmul FLOPs from the jaxpr (B twice F) at `flops_per_s` (or
-  their measured times, `CostModel.region_times` from `pj.calibrate`), plus
+  costing its regions' matmul FLOPs from the jaxpr (B twice F) at `flops_per_s`, or,
+  for a card whose GEMMs the planner knows (`CostModel.card`), each matmul by its size
+  and fused attention at its own rate, or their measured times
+  (`CostModel.region_times` from `pj.calibrate`), plus
   `tick_overhead_s` per tick, plus communication at `link_bytes_per_s`: data-parallel
   reductions and gathers by ZeRO stage and pipeline activations and their cotangents,
   added to a pipeline's compute and hidden behind the compute of a step without one
