@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 import jax
 
-__all__ = ["shard_map", "shard_map_unchecked", "bind", "eval_eqns", "name_stack", "read", "ClosedJaxpr", "Jaxpr", "Literal", "Var"]
+__all__ = ["shard_map", "shard_map_unchecked", "bind", "eval_eqns", "name_stack", "read",
+           "wrapped_parts", "ClosedJaxpr", "Jaxpr", "Literal", "Var"]
 
 try:  # jax >= 0.7
   shard_map = jax.shard_map
@@ -29,6 +30,29 @@ try:
   from jax._src import source_info_util as _source_info
 except ImportError:  # pragma: no cover
   _source_info = None
+
+try:
+  from jax._src import linear_util as _lu
+  from jax._src.util import Unhashable as _Unhashable
+except ImportError:  # pragma: no cover
+  _lu = _Unhashable = None
+
+
+def wrapped_parts(x) -> tuple | None:
+  """What one of JAX's function wrappers computes with, or None for other values: a
+  `WrappedFun`'s function, transformations and parameters (a custom derivative's
+  backward, made anew by each trace), a store's value, an unhashable's value."""
+  if _lu is None:  # pragma: no cover
+    return None
+  if isinstance(x, _lu.WrappedFun):
+    return (x.f, x.transforms, x.params)
+  if isinstance(x, _lu.Store):
+    return (x._val,)
+  if isinstance(x, _lu.EqualStore):
+    return (x._store._val,)
+  if isinstance(x, _Unhashable):
+    return (x.val,)
+  return None
 
 
 def name_stack(eqn) -> str:

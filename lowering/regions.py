@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
+import types
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, Literal, eval_eqns, read
+from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, Literal, eval_eqns, read, wrapped_parts
 from piper_jax.lowering.local import RegionRunner
 
 __all__ = ["RegionAD", "analyze_region", "region_key", "relabel"]
@@ -244,26 +246,51 @@ class _Ident:
     return id(self.obj)
 
 
-def _freeze(x):
+_FUNCTION_DEPTH = 8  # closures nested deeper than this compare by identity
+
+
+def _freeze(x, depth: int = 0):
   """A hashable stand-in for an equation parameter, equal only for values that trace alike."""
   if isinstance(x, ClosedJaxpr):
     return (ClosedJaxpr, _jaxpr_key(x.jaxpr, x.consts))
   if isinstance(x, Jaxpr):
     return (Jaxpr, _jaxpr_key(x, ()))
   if isinstance(x, (tuple, list)):
-    return (type(x), tuple(_freeze(y) for y in x))
+    return (type(x), tuple(_freeze(y, depth) for y in x))
   if isinstance(x, (set, frozenset)):
-    return (frozenset, frozenset(_freeze(y) for y in x))
+    return (frozenset, frozenset(_freeze(y, depth) for y in x))
   if isinstance(x, dict):
-    return (dict, tuple((k, _freeze(v)) for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))))
+    return (dict, tuple((_freeze(k, depth), _freeze(v, depth))
+                        for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))))
   if isinstance(x, np.ndarray):
     return (np.ndarray, x.dtype.str, x.shape, x.tobytes())
+  if depth < _FUNCTION_DEPTH:
+    # A custom derivative's rules are functions each trace wraps anew: the same code
+    # over equal captured values computes the same thing.
+    if isinstance(x, types.FunctionType) and x.__closure__:
+      return (types.FunctionType, x.__code__, _Ident(x.__globals__),
+              _freeze((x.__defaults__, x.__kwdefaults__), depth + 1),
+              tuple(_freeze(_cell(c), depth + 1) for c in x.__closure__))
+    if isinstance(x, functools.partial):
+      return (functools.partial, _freeze((x.func, x.args, x.keywords), depth + 1))
+    parts = wrapped_parts(x)
+    if parts is not None:
+      return (type(x), _freeze(parts, depth + 1))
+  if type(x) is object:  # a sentinel holds nothing but its identity within its closure
+    return (object,)
   try:
     hash(x)
   except TypeError:
     return _Ident(x)
   # Types are part of the key: 1, 1.0 and True are equal but may bind differently.
   return (type(x), x) if type(x).__eq__ is not object.__eq__ else _Ident(x)
+
+
+def _cell(c):
+  try:
+    return c.cell_contents
+  except ValueError:  # a variable not yet bound
+    return _Ident(c)
 
 
 def _array_key(x) -> tuple:

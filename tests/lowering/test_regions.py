@@ -15,9 +15,27 @@ pytestmark = pytest.mark.timeout(120)
 D = 8
 
 
-def _model(hidden: tuple[int, ...], checkpointed: bool = False):
-  """Params and loss of an MLP with one PP region per entry of `hidden` (its width);
-  `checkpointed`: each stage's hidden layer under its own `jax.checkpoint`."""
+@jax.custom_vjp
+def _tanh(x):
+  return jnp.tanh(x)
+
+
+_tanh.defvjp(lambda x: (jnp.tanh(x), jnp.tanh(x)), lambda y, g: (g * (1 - y * y),))
+
+
+@jax.custom_vjp
+def _tanh_straight_through(x):
+  return jnp.tanh(x)
+
+
+_tanh_straight_through.defvjp(lambda x: (jnp.tanh(x), None), lambda _, g: (g,))
+
+
+def _model(hidden: tuple[int, ...], wrap: str | None = None):
+  """Params and loss of an MLP with one PP region per entry of `hidden` (its width).
+  `wrap`: "checkpoint", each stage's hidden layer under its own `jax.checkpoint`;
+  "custom_vjp", its tanh a custom derivative's; "custom_vjp_apart", the same, but stage
+  2's passes its cotangent straight through."""
   ks = jax.random.split(jax.random.PRNGKey(0), 2 * len(hidden) + 1)
   params = {"head": jax.random.normal(ks[-1], (D, 3)) * 0.3}
   for s, h in enumerate(hidden):
@@ -29,8 +47,11 @@ def _model(hidden: tuple[int, ...], checkpointed: bool = False):
     for s in range(len(hidden)):
       with pj.annotate("PP"):
         p = params[f"stage{s}"]
-        hidden_layer = lambda x, w: jnp.tanh(x @ w)
-        if checkpointed:  # each stage traces its own checkpoint jaxpr
+        tanh = jnp.tanh
+        if wrap in ("custom_vjp", "custom_vjp_apart"):  # each call wraps its rules anew
+          tanh = _tanh_straight_through if wrap == "custom_vjp_apart" and s == 2 else _tanh
+        hidden_layer = lambda x, w, tanh=tanh: tanh(x @ w)
+        if wrap == "checkpoint":  # each stage traces its own checkpoint jaxpr
           hidden_layer = jax.checkpoint(hidden_layer)
         x = x + hidden_layer(x, p["w1"]) @ p["w2"]
     logits = x @ params["head"]
@@ -40,7 +61,7 @@ def _model(hidden: tuple[int, ...], checkpointed: bool = False):
   return loss, params, batch
 
 
-def _compile(hidden, monkeypatch, checkpointed=False):
+def _compile(hidden, monkeypatch, wrap=None):
   """The step, its program and the regions `analyze_region` traced."""
   traced = []
   real = program.analyze_region
@@ -50,17 +71,21 @@ def _compile(hidden, monkeypatch, checkpointed=False):
     return real(runner, r, remat)
 
   monkeypatch.setattr(program, "analyze_region", counting)
-  loss, params, batch = _model(hidden, checkpointed)
+  loss, params, batch = _model(hidden, wrap)
   step = pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(len(hidden), 4, schedule="1f1b"),
                     params, batch, devices=jax.devices()[:len(hidden)])
   return step, step._program, traced
 
 
-def test_checkpointed_stages_are_traced_once_and_step_as_one_device(monkeypatch):
-  # Each stage's checkpoint holds a jaxpr of its own; equal ones still key alike.
-  step, _, traced = _compile((16, 16, 16, 16), monkeypatch, checkpointed=True)
-  assert traced == [0, 1, 3]
-  loss, params, batch = _model((16, 16, 16, 16), checkpointed=True)
+@pytest.mark.parametrize("wrap, analysed", [("checkpoint", [0, 1, 3]),
+                                             ("custom_vjp", [0, 1, 3]),
+                                             ("custom_vjp_apart", [0, 1, 2, 3])])
+def test_wrapped_stages_are_traced_once_and_step_as_one_device(monkeypatch, wrap, analysed):
+  # Each stage's checkpoint holds a jaxpr of its own, and each custom derivative call
+  # its own rule objects; equal ones still key alike, other rules apart.
+  step, _, traced = _compile((16, 16, 16, 16), monkeypatch, wrap)
+  assert traced == analysed
+  loss, params, batch = _model((16, 16, 16, 16), wrap)
   state = step.init(params)
   state, _ = step(state, batch)
   grads = jax.grad(loss)(params, batch)
