@@ -222,7 +222,10 @@ def pick_main(args) -> None:
   meta = data[0]["meta"]
   rows = [r for d in data for r in d["rows"] if "error" not in r]
   model, n, kind = rows[0]["model"], rows[0]["devices"], rows[0]["device_kind"]
-  costs, base = baseline_costs(rows, args.link_gbps * 1e9, meta, args.seq_len, args.layers)
+  if args.target:
+    costs, base = pj.strategies.CostModel.for_accelerator(args.target), {"target": args.target}
+  else:
+    costs, base = baseline_costs(rows, args.link_gbps * 1e9, meta, args.seq_len, args.layers)
   if base is None:
     raise ValueError("the files hold no jit-dp, gspmd-fsdp or shmap-dp row: the estimates "
                      "take their matmul FLOP/s from the call's plain-JAX baseline; add a file "
@@ -246,7 +249,8 @@ def pick_main(args) -> None:
                          sorted({share, max(1, share // 8)}), cache=args.calibrate,
                          optimizer=tx)
     costs = dataclasses.replace(costs, region_times=times)
-  found = pj.strategies.search(family.loss_fn(net), tx, params, batch, n, pj.planner.accelerator(kind).memory_bytes,
+  found = pj.strategies.search(family.loss_fn(net), tx, params, batch, n,
+                               pj.planner.accelerator(args.target or kind).memory_bytes,
                                costs=costs)
   measured = {}  # a later file's row of a variant stands for it
   for r in rows:
@@ -411,12 +415,12 @@ def main(argv=None):
   costed.add_argument("--calibrate", default=None, metavar="CACHE",
                       help="also cost regions by their F and B timed on this machine's first "
                            "device (pj.calibrate; CACHE keeps the timings)")
+  costed.add_argument("--target", default=None, metavar="CARD",
+                      help="cost for this card (pj.planner.ACCELERATORS) instead of the FLOP/s "
+                           "the file's baseline measured: a prediction made without the cards")
   est = sub.add_parser("estimate", parents=[costed],
                        help="the planner's memory and step time beside each measured row")
   est.add_argument("files", nargs="+", help="raw JSON files of run.py")
-  est.add_argument("--target", default=None, metavar="CARD",
-                   help="cost for this card (pj.planner.ACCELERATORS) instead of the FLOP/s "
-                        "the file's baseline measured: a prediction made without the cards")
   est.add_argument("--stacked", action="store_true",
                    help="the rows ran with uneven slots stacked over the pipeline ranks "
                         "(spread_uneven_slots=False, the default before they were spread)")
