@@ -606,6 +606,27 @@ def test_the_8b_preset_planned_for_four_h200s_on_a_cpu_fits_where_it_was_measure
     assert by[key].step_time * 1e3 == pytest.approx(measured_ms, rel=0.15), key
 
 
+@pytest.mark.timeout(180)
+def test_the_8b_preset_planned_for_1024_gpus_of_80_gib_fits_and_is_ranked():
+  # One sequence of 4096 per device under ZeRO-3 needs about 25 GiB (weights and AdamW
+  # state over 1024 devices, one sequence's activations): strategies fit, fastest first.
+  import jax.numpy as jnp
+  import optax
+  from examples import qwen3
+  config = qwen3.get_config("qwen3-8b", n_stages=4, dtype=jnp.bfloat16, attention="cudnn",
+                            seq_len=4096)
+  model = qwen3.make_model(config)
+  params = jax.eval_shape(lambda: qwen3.init_params(model, jax.random.PRNGKey(0)))
+  tokens = jax.ShapeDtypeStruct((1024, 4096), jnp.int32)
+  result = pj.strategies.search(qwen3.loss_fn(model), optax.adamw(1e-4), params,
+                                {"tokens": tokens, "targets": tokens}, 1024, 80 * 2**30,
+                                target="H100")
+  assert result.candidates
+  assert all(c.peak_memory <= 80 * 2**30 for c in result.candidates)
+  times = [c.step_time for c in result.candidates]
+  assert times == sorted(times)
+
+
 @pytest.mark.timeout(120)
 def test_activation_checkpointing_is_a_choice_the_search_costs():
   # The same Qwen3 with every block under nn.remat: its forwards keep only the blocks'
