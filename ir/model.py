@@ -32,6 +32,7 @@ class Gemm:
 
   attention: attention's score or value products.
   causal: under a causal mask, whose upper half a fused attention kernel skips.
+  recomputed: under a checkpoint, so that the backward runs it again.
   """
 
   m: int
@@ -40,6 +41,7 @@ class Gemm:
   count: int
   attention: bool = False
   causal: bool = False
+  recomputed: bool = False
 
   @property
   def flops(self) -> float:

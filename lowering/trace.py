@@ -103,10 +103,11 @@ def _causal_mask_size(eqns) -> int | None:
   return None
 
 
-def _gemms(eqns) -> list[Gemm]:
+def _gemms(eqns, recomputed: bool = False) -> list[Gemm]:
   """The GEMMs of `eqns` by shape, recursing into sub-jaxprs (`Gemm`). Attention's are the
   batched products beside a causal mask with that mask's length twice in an operand or
-  their output ([.., T, .., T] scores), and fused attention's."""
+  their output ([.., T, .., T] scores), and fused attention's. `recomputed`: `eqns` run
+  under a checkpoint."""
   causal = _causal_mask_size(eqns)
   out = []
   for e in eqns:
@@ -119,15 +120,17 @@ def _gemms(eqns) -> list[Gemm]:
       masked = causal is not None and bool(lb) and any(
           list(v.aval.shape).count(causal) >= 2 for v in (*e.invars, *e.outvars))
       out.append(Gemm(free(lhs, lc, lb), size(lhs, lc), free(rhs, rc, rb), size(lhs, lb),
-                      attention=masked, causal=masked))
+                      attention=masked, causal=masked, recomputed=recomputed))
     elif e.primitive.name == _FUSED_ATTENTION:
       b, t, n, h = e.invars[0].aval.shape
       s = e.invars[1].aval.shape[1]
       causal_mask = str(e.params.get("mask_type", "")).endswith("CAUSAL")
-      out += [Gemm(t, h, s, b * n, True, causal_mask), Gemm(t, s, h, b * n, True, causal_mask)]
+      out += [Gemm(t, h, s, b * n, True, causal_mask, recomputed),
+              Gemm(t, s, h, b * n, True, causal_mask, recomputed)]
     else:
+      again = recomputed or e.primitive.name in _CHECKPOINT_PRIMITIVES
       for sub in _sub_jaxprs(e):
-        out += _gemms(sub.eqns)
+        out += _gemms(sub.eqns, again)
   return out
 
 

@@ -401,16 +401,18 @@ def _simulated_compute(model: MeasuredModel, plan: Plan, costs: CostModel, rows:
 
 def _gemm_costs(model: MeasuredModel, plan: Plan, card: Accelerator, scale: float) -> dict:
   """`Plan.simulate` costs of each region on `card`, GEMM by GEMM at a microbatch's
-  `scale` of the traced batch: F its GEMMs, B twice them and what it recomputes. An
+  `scale` of the traced batch: F its GEMMs, B twice them and those it recomputes, but
+  attention's (a fused kernel's rate holds its backward's recomputed scores). An
   expert-parallel device runs fewer experts on more tokens each: the group's."""
   out = {"comm": 0.0}
   for r in model.spec.regions:
     ep = plan.mesh.size("ep") if plan.mesh.sharded.get(r.index) == "ep" else 1
-    f = 0.0
+    f = again = 0.0
     for g in r.gemms:
-      f += card.gemm_seconds(dataclasses.replace(g.at(scale * ep), count=g.count // ep)
-                             if ep > 1 and not g.attention else g.at(scale))
-    again = f * r.recompute_flops / r.flops if r.flops else 0.0
+      t = card.gemm_seconds(dataclasses.replace(g.at(scale * ep), count=g.count // ep)
+                            if ep > 1 and not g.attention else g.at(scale))
+      f += t
+      again += t if g.recomputed and not g.attention else 0.0
     out[(r.index, "F")], out[(r.index, "B")] = f, 2 * f + again
     out[(r.index, "BI")], out[(r.index, "BW")] = f + again, f
   return out
