@@ -578,13 +578,9 @@ def test_stacked_slots_hold_the_largest_ranks_part_on_every_device():
     assert held == pytest.approx(m.params + m.optimizer, rel=0.02)
 
 
-@pytest.mark.timeout(120)
-def test_the_8b_preset_planned_for_four_h200s_on_a_cpu_fits_where_it_was_measured():
-  # Qwen3-8B, seq 4096, batch 8, bf16 compute, fp32 weights and AdamW on 4 x H200 trained
-  # under ZeRO-1 and ZeRO-3 DP in 83.5 GiB and under PP4 1F1B (8 microbatches) in 61.8
-  # GiB, in 808.5, 797.6 and 1232.4 ms a step (benchmarks/RESULTS.md). Planned here, on
-  # shapes, for the H200, with the cuDNN attention it runs there: each fits, each within
-  # 10% of its measured memory and 15% of its measured step.
+def _search_qwen3_8b(batch: int, n_devices: int, *args, **kwargs):
+  """`search` for the Qwen3-8B preset at seq 4096 (4 PP regions, bf16 compute, fp32
+  weights, cuDNN's attention, AdamW), on shapes."""
   import jax.numpy as jnp
   import optax
   from examples import qwen3
@@ -592,11 +588,20 @@ def test_the_8b_preset_planned_for_four_h200s_on_a_cpu_fits_where_it_was_measure
                             seq_len=4096)
   model = qwen3.make_model(config)
   params = jax.eval_shape(lambda: qwen3.init_params(model, jax.random.PRNGKey(0)))
-  tokens = jax.ShapeDtypeStruct((8, 4096), jnp.int32)
-  result = pj.strategies.search(qwen3.loss_fn(model), optax.adamw(1e-4), params,
-                                {"tokens": tokens, "targets": tokens}, 4, target="H200",
-                                schedules=("dp", "1f1b"), zero_stages=(1, 3),
-                                microbatches=(1, 8))
+  tokens = jax.ShapeDtypeStruct((batch, 4096), jnp.int32)
+  return pj.strategies.search(qwen3.loss_fn(model), optax.adamw(1e-4), params,
+                              {"tokens": tokens, "targets": tokens}, n_devices, *args, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_the_8b_preset_planned_for_four_h200s_on_a_cpu_fits_where_it_was_measured():
+  # Qwen3-8B, seq 4096, batch 8, bf16 compute, fp32 weights and AdamW on 4 x H200 trained
+  # under ZeRO-1 and ZeRO-3 DP in 83.5 GiB and under PP4 1F1B (8 microbatches) in 61.8
+  # GiB, in 808.5, 797.6 and 1232.4 ms a step (benchmarks/RESULTS.md). Planned here, on
+  # shapes, for the H200, with the cuDNN attention it runs there: each fits, each within
+  # 10% of its measured memory and 15% of its measured step.
+  result = _search_qwen3_8b(8, 4, target="H200", schedules=("dp", "1f1b"), zero_stages=(1, 3),
+                            microbatches=(1, 8))
   by = {(c.name, c.n_microbatches): c for c in result.candidates}
   for key, measured_gib, measured_ms in ((("dp4 zero1", 1), 83.54, 808.5),
                                          (("dp4 zero3", 1), 83.54, 797.6),
@@ -610,17 +615,7 @@ def test_the_8b_preset_planned_for_four_h200s_on_a_cpu_fits_where_it_was_measure
 def test_the_8b_preset_planned_for_1024_gpus_of_80_gib_fits_and_is_ranked():
   # One sequence of 4096 per device under ZeRO-3 needs about 25 GiB (weights and AdamW
   # state over 1024 devices, one sequence's activations): strategies fit, fastest first.
-  import jax.numpy as jnp
-  import optax
-  from examples import qwen3
-  config = qwen3.get_config("qwen3-8b", n_stages=4, dtype=jnp.bfloat16, attention="cudnn",
-                            seq_len=4096)
-  model = qwen3.make_model(config)
-  params = jax.eval_shape(lambda: qwen3.init_params(model, jax.random.PRNGKey(0)))
-  tokens = jax.ShapeDtypeStruct((1024, 4096), jnp.int32)
-  result = pj.strategies.search(qwen3.loss_fn(model), optax.adamw(1e-4), params,
-                                {"tokens": tokens, "targets": tokens}, 1024, 80 * 2**30,
-                                target="H100")
+  result = _search_qwen3_8b(1024, 1024, 80 * 2**30, target="H100")
   assert result.candidates
   assert all(c.peak_memory <= 80 * 2**30 for c in result.candidates)
   times = [c.step_time for c in result.candidates]
