@@ -45,7 +45,8 @@ _GRAD_PASSES = (Pass.B, Pass.BW)
 
 @dataclasses.dataclass
 class LoopCarry:
-  """What one tick hands the next: value stores, gradient sums and the loss."""
+  """What one tick hands the next: the stores' buffers (`Pools`), gradient sums and
+  the loss."""
 
   stores: list
   acc: dict       # gradient position -> sum (`GradientSums.zero_sums`)
@@ -57,8 +58,9 @@ class LoopCarry:
 class SlotOut:
   """What a slot's branch returns when the stores are written after the switch
   (`LoweringOptions.write_stores_after_switch`): per write position
-  (`TickLoop.positions`), the value it made (zeros where the kind writes fewer values
-  there; the row each goes to is the table's, `TickLoop.position_rows`), and the
+  (`TickLoop.positions`), the value it made (where the kind writes fewer values there,
+  what the scratch row it goes to holds; the row each goes to is the table's,
+  `TickLoop._position_rows`), and the
   gradient sums and loss. Otherwise a branch returns the whole `LoopCarry`, stores
   written in place."""
 
@@ -83,13 +85,13 @@ def _written(stores: list, values) -> list:
   return stores
 
 
-def _operands(c: LoopCarry, params, batch: list, mb, read_rows: list, write_rows: list
-              ) -> dict:
+def _operands(c: LoopCarry, params, batch: list, mb, read_rows: list, write_rows: list,
+              position_rows: list | None = None) -> dict:
   """A branch's operands: the carry, the step's weights and batch, and the slot's
   microbatch and store rows, each row its own scalar operand (`_columns`)."""
   return {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
           "params": params, "batch": batch, "mb": mb, "read_rows": read_rows,
-          "write_rows": write_rows}
+          "write_rows": write_rows, "position_rows": position_rows}
 
 
 def _columns(rows: np.ndarray) -> list:
@@ -99,6 +101,47 @@ def _columns(rows: np.ndarray) -> list:
   model's middle blocks) make identical kernels, and the rows of every position are
   looked up by one kernel; XLA compiles each of those once."""
   return [jnp.asarray(rows[..., n]) for n in range(rows.shape[-1])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pools:
+  """The buffers the table's stores live in: stores whose values have one size and
+  dtype share a buffer, each its own rows in it, and one scratch row for all (the last).
+  XLA compiles a kernel per buffer shape for its zero fill and its row writes, so fewer
+  buffers compile faster; a value's rows hold it flat whatever its shape.
+
+  of[st]: store st's buffer; offset[st]: its first row there; rows[b]: buffer b's rows,
+  scratch included; size[b], dtype[b]: its row's elements and dtype.
+  """
+
+  of: tuple[int, ...]
+  offset: tuple[int, ...]
+  rows: tuple[int, ...]
+  size: tuple[int, ...]
+  dtype: tuple[str, ...]
+
+  @classmethod
+  def of_stores(cls, stores) -> "Pools":
+    index: dict[tuple, int] = {}
+    of, offset, rows, size, dtype = [], [], [], [], []
+    for st in stores:
+      b = index.setdefault((st.size, st.dtype), len(index))
+      if b == len(rows):
+        rows.append(1)
+        size.append(st.size)
+        dtype.append(st.dtype)
+      of.append(b)
+      offset.append(rows[b] - 1)
+      rows[b] += st.depth
+    return cls(tuple(of), tuple(offset), tuple(rows), tuple(size), tuple(dtype))
+
+  def zeros(self) -> list:
+    return [jnp.zeros((n, m), jnp.dtype(dt)) for n, m, dt in zip(self.rows, self.size, self.dtype)]
+
+  def rows_of(self, stores, st: int, rows: np.ndarray) -> np.ndarray:
+    """Store `st`'s `rows` (its scratch row among them) as rows of its buffer."""
+    b = self.of[st]
+    return np.where(rows >= stores[st].depth, self.rows[b] - 1, rows + self.offset[st])
 
 
 class TickLoop:
@@ -115,21 +158,44 @@ class TickLoop:
     for kind, (ti, r, n) in zip(self.table.kinds, self.table.first):
       ts = prog.plan.ticks[ti][r][n:n + len(kind.steps)]
       self._tasks.append([dataclasses.replace(t, mb=0) for t in ts])
-    # Write positions: (store, n) for the n-th value a kind writes to that store, as
-    # many per store as the kind that writes it most.
+    self.period = self.table.period
+    self.pools = Pools.of_stores(self.table.stores)
+    self._pool_rows()
+    # Write positions: (buffer, n) for the n-th value a kind writes to that buffer, as
+    # many per buffer as the kind that writes it most.
     most: dict[int, int] = {}
     for kind in self.table.kinds:
-      for st in set(kind.writes):
-        most[st] = max(most.get(st, 0), kind.writes.count(st))
-    self.positions: list[tuple[int, int]] = [(st, n) for st in sorted(most)
-                                             for n in range(most[st])]
-    self.period = self.table.period
+      writes = [self.pools.of[st] for st in kind.writes]
+      for b in set(writes):
+        most[b] = max(most.get(b, 0), writes.count(b))
+    self.positions: list[tuple[int, int]] = [(b, n) for b in sorted(most)
+                                             for n in range(most[b])]
     # Without a switch, branches write the stores in place.
     self.write_after = bool(prog.options.write_stores_after_switch) and self.period is None
     # Tensor parallel's all-reduces sit between a pass's equations: a switch over kinds
     # is cut at them (`Phases`, made when the loop is traced).
     self.cuts_at_collectives = "tp" in prog.plan.mesh.inner and self.period is None
     self.phases: Phases | None = None
+
+  def _pool_rows(self):
+    """The table's rows as rows of the stores' buffers (`Pools`)."""
+    table, pools = self.table, self.pools
+    stores = table.stores
+    self.read_rows, self.write_rows = table.read_rows.copy(), table.write_rows.copy()
+    for j, kind in enumerate(table.kinds):
+      at = table.code == j + 1
+      for rows, of in ((self.read_rows, kind.reads), (self.write_rows, kind.writes)):
+        for n, st in enumerate(of):
+          rows[..., n][at] = pools.rows_of(stores, st, rows[..., n][at])
+    self.send_rows, self.recv_rows = table.send_rows.copy(), table.recv_rows.copy()
+    for j, rnd in enumerate(table.rounds):
+      for n, st in enumerate(rnd.stores):
+        for rows in (self.send_rows, self.recv_rows):
+          rows[:, :, j, n] = pools.rows_of(stores, st, rows[:, :, j, n])
+    self.regroup_rows = table.regroup_rows.copy()
+    for n, g in enumerate(table.regroups):
+      for side, st in enumerate((g.source, g.target)):
+        self.regroup_rows[..., n, side] = pools.rows_of(stores, st, self.regroup_rows[..., n, side])
 
   # -- the branches ---------------------------------------------------------
 
@@ -151,8 +217,8 @@ class TickLoop:
           return made[key]
         x = where[key]
         st = kind.reads[x]
-        return lax.dynamic_index_in_dim(stores[st], ops["read_rows"][x], 0, keepdims=False,
-                                        allow_negative_indices=False
+        return lax.dynamic_index_in_dim(stores[self.pools.of[st]], ops["read_rows"][x], 0,
+                                        keepdims=False, allow_negative_indices=False
                                         ).reshape(self.table.stores[st].shape)
 
       step_params: StepParams = ops["params"]
@@ -174,54 +240,57 @@ class TickLoop:
                  for b in prog.model.regions[t.region].batch]
         loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
       dtype = lambda st: jnp.dtype(self.table.stores[st].dtype)
-      written = [(kind.writes[j], made[key].astype(dtype(kind.writes[j])), ops["write_rows"][j])
-                 for j, key in enumerate(write_keys)]
+      written = [(self.pools.of[kind.writes[j]], made[key].astype(dtype(kind.writes[j])),
+                  ops["write_rows"][j]) for j, key in enumerate(write_keys)]
       acc, split_acc = dict(ops["acc"]), dict(ops["split_acc"])
       if any(t.pass_ in _GRAD_PASSES for t in tasks):
         prog.grads.add_task(rank, grad_acc, acc, split_acc)
       if self.write_after:
-        return self._slot_out(written, acc, split_acc, loss)
+        return self._slot_out(ops, written, acc, split_acc, loss)
       return LoopCarry(_written(stores, written), acc, split_acc, loss)
 
     return run
 
-  def _slot_out(self, written, acc, split_acc, loss) -> SlotOut:
-    """A slot's result for the stores written after the switch: the `written` (store,
-    value, row) values at their positions, zeros (for the store's scratch row) at the
-    others."""
-    stores = self.table.stores
-    values = [jnp.zeros((stores[st].size,), jnp.dtype(stores[st].dtype)) for st, _ in self.positions]
-    for p, (_, x, _) in zip(self._write_positions([st for st, _, _ in written]), written):
+  def _slot_out(self, ops, written, acc, split_acc, loss) -> SlotOut:
+    """A slot's result for the stores written after the switch: the `written` (buffer,
+    value, row) values at their positions and, at the others, what the row they go to
+    holds (the buffer's scratch row): a read of a row of a buffer is one kernel
+    whatever the position, where a zero fill would be one per size."""
+    values = [lax.dynamic_index_in_dim(ops["stores"][b], ops["position_rows"][p], 0,
+                                       keepdims=False, allow_negative_indices=False)
+              for p, (b, _) in enumerate(self.positions)]
+    for p, (_, x, _) in zip(self._write_positions([b for b, _, _ in written]), written):
       values[p] = x.reshape(-1)
     return SlotOut(values, acc, split_acc, loss)
 
   def _write_positions(self, writes) -> list[int]:
-    """The write position (`positions`) of each value written to stores `writes`, in
-    order: the n-th value written to a store takes that store's n-th position."""
+    """The write position (`positions`) of each value written to buffers `writes`, in
+    order: the n-th value written to a buffer takes that buffer's n-th position."""
     seen: dict[int, int] = {}
     out = []
-    for st in writes:
-      out.append(self.positions.index((st, seen.get(st, 0))))
-      seen[st] = seen.get(st, 0) + 1
+    for b in writes:
+      out.append(self.positions.index((b, seen.get(b, 0))))
+      seen[b] = seen.get(b, 0) + 1
     return out
 
   def _position_rows(self) -> np.ndarray:
-    """[tick, rank, slot, position]: the store row each write position's value goes to
-    (the store's scratch row where the slot's kind writes nothing there): data of the
+    """[tick, rank, slot, position]: the buffer row each write position's value goes to
+    (the buffer's scratch row where the slot's kind writes nothing there): data of the
     table, so that no branch returns rows."""
     table = self.table
     rows = np.zeros(table.code.shape + (max(len(self.positions), 1),), np.int32)
-    for p, (st, _) in enumerate(self.positions):
-      rows[..., p] = table.stores[st].scratch
-    of_kind = [self._write_positions(kind.writes) for kind in table.kinds]
+    for p, (b, _) in enumerate(self.positions):
+      rows[..., p] = self.pools.rows[b] - 1
+    of_kind = [self._write_positions([self.pools.of[st] for st in kind.writes])
+               for kind in table.kinds]
     for t, k, s in zip(*np.nonzero(table.code)):
       for j, p in enumerate(of_kind[table.code[t, k, s] - 1]):
-        rows[t, k, s, p] = table.write_rows[t, k, s, j]
+        rows[t, k, s, p] = self.write_rows[t, k, s, j]
     return rows
 
   def _idle(self, ops):
     if self.write_after:
-      return self._slot_out([], dict(ops["acc"]), dict(ops["split_acc"]), ops["loss"])
+      return self._slot_out(ops, [], dict(ops["acc"]), dict(ops["split_acc"]), ops["loss"])
     return LoopCarry(ops["stores"], ops["acc"], ops["split_acc"], ops["loss"])
 
   def _run_straight(self, branches, params, batch, carry: LoopCarry) -> LoopCarry:
@@ -231,9 +300,9 @@ class TickLoop:
     parallel's) sit in the loop's body."""
     table, p = self.table, self.period
     flat = lambda a: jnp.asarray(a[:, 0].reshape((-1,) + a.shape[3:]))  # [tick * slot, ...]
-    mb, regroup_rows = flat(table.mb), flat(table.regroup_rows)
+    mb, regroup_rows = flat(table.mb), flat(self.regroup_rows)
     read_rows, write_rows = (_columns(a[:, 0].reshape((-1, a.shape[-1])))
-                             for a in (table.read_rows, table.write_rows))
+                             for a in (self.read_rows, self.write_rows))
     seq = table.code[:, 0].reshape(-1)
 
     def repeat(i, c: LoopCarry) -> LoopCarry:
@@ -252,10 +321,11 @@ class TickLoop:
     stores = list(c.stores)
     for n, g in enumerate(self.table.regroups):
       source, target = self.table.stores[g.source], self.table.stores[g.target]
-      x = lax.dynamic_index_in_dim(stores[g.source], rows[n, 0], 0, keepdims=False,
-                                   allow_negative_indices=False).reshape(source.shape)
+      x = lax.dynamic_index_in_dim(stores[self.pools.of[g.source]], rows[n, 0], 0,
+                                   keepdims=False, allow_negative_indices=False
+                                   ).reshape(source.shape)
       y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape, jnp.dtype(target.dtype)))
-      stores = _written(stores, [(g.target, y, rows[n, 1])])
+      stores = _written(stores, [(self.pools.of[g.target], y, rows[n, 1])])
     return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
   def _switch(self, index, branches, ops):
@@ -277,33 +347,36 @@ class TickLoop:
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
     # Each value lies flat in its row, [rows, size]: a row's reads and writes are then
     # two-dimensional whatever the value's rank, which XLA compiles into smaller kernels.
-    stores = [jnp.zeros((s.depth + 1, s.size), jnp.dtype(s.dtype)) for s in table.stores]
+    stores = self.pools.zeros()
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
-    position_rows = jnp.asarray(self._position_rows()) if self.write_after else None
+    position_rows = _columns(self._position_rows()) if self.write_after else None
     code, mb, send_rows, recv_rows, regroup_rows = (
-        jnp.asarray(x) for x in (table.code, table.mb, table.send_rows, table.recv_rows,
-                                 table.regroup_rows))
-    read_rows, write_rows = _columns(table.read_rows), _columns(table.write_rows)
+        jnp.asarray(x) for x in (table.code, table.mb, self.send_rows, self.recv_rows,
+                                 self.regroup_rows))
+    read_rows, write_rows = _columns(self.read_rows), _columns(self.write_rows)
     rank = lax.axis_index("pp")
 
     def tick(i, c: LoopCarry) -> LoopCarry:
       def slot(s, c: LoopCarry) -> LoopCarry:
         ops = _operands(c, params, batch, mb[i, rank, s], [a[i, rank, s] for a in read_rows],
-                        [a[i, rank, s] for a in write_rows])
+                        [a[i, rank, s] for a in write_rows],
+                        [a[i, rank, s] for a in position_rows] if self.write_after else None)
         out = self._switch(code[i, rank, s], branches, ops)
         if self.write_after:
-          out = LoopCarry(_written(c.stores, [(st, out.values[p], position_rows[i, rank, s, p])
-                                              for p, (st, _) in enumerate(self.positions)]),
+          out = LoopCarry(_written(c.stores, [(b, out.values[p], position_rows[p][i, rank, s])
+                                              for p, (b, _) in enumerate(self.positions)]),
                           out.acc, out.split_acc, out.loss)
         return self._regroup(out, regroup_rows[i, rank, s])
 
       c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
-      got = [lax.ppermute([lax.dynamic_index_in_dim(c.stores[st], send_rows[i, rank, j, n], 0,
-                                                    keepdims=False, allow_negative_indices=False)
+      of = self.pools.of
+      got = [lax.ppermute([lax.dynamic_index_in_dim(c.stores[of[st]], send_rows[i, rank, j, n],
+                                                    0, keepdims=False,
+                                                    allow_negative_indices=False)
                            for n, st in enumerate(rnd.stores)], "pp", perm=list(rnd.perm))
              for j, rnd in enumerate(table.rounds)]
-      stores = _written(c.stores, [(st, got[j][n], recv_rows[i, rank, j, n])
+      stores = _written(c.stores, [(of[st], got[j][n], recv_rows[i, rank, j, n])
                                    for j, rnd in enumerate(table.rounds)
                                    for n, st in enumerate(rnd.stores)])
       return LoopCarry(stores, c.acc, c.split_acc, c.loss)

@@ -252,3 +252,18 @@ def test_a_tensor_parallel_pipelines_all_reduces_run_outside_its_conditionals(ba
   hlo = step.lower(state, models.random_batch(jax.random.PRNGKey(0), 8)).compile().as_text()
   assert " conditional(" in hlo and re.search(r"\ball-reduce(-start)?\(", hlo)
   assert collectives_in_conditionals(hlo) == []
+
+
+def test_stores_of_one_size_and_dtype_share_a_buffer_and_its_scratch_row():
+  from piper_jax.lowering.schedule_table import Store
+  from piper_jax.lowering.tick_loop import Pools
+  stores = (Store((4, 2), "float32", 3), Store((8,), "float32", 2), Store((8,), "bfloat16", 1),
+            Store((2, 2), "float32", 1))
+  pools = Pools.of_stores(stores)
+  assert pools.of == (0, 0, 1, 2)
+  assert pools.rows == (3 + 2 + 1, 1 + 1, 1 + 1)   # each store's rows, one scratch row
+  assert pools.offset == (0, 3, 0, 0)
+  rows = np.array([0, 2, 3])                        # store 0's rows, 3 is its scratch
+  np.testing.assert_array_equal(pools.rows_of(stores, 0, rows), [0, 2, 5])
+  np.testing.assert_array_equal(pools.rows_of(stores, 1, np.array([0, 1, 2])), [3, 4, 5])
+  assert [z.shape for z in pools.zeros()] == [(6, 8), (2, 8), (2, 4)]
