@@ -4,8 +4,8 @@ A pipeline rank adds each task's weight gradients to running sums, one per leaf
 (flat, at a position ranks share by size: `match_positions`), or, under ZeRO 2/3
 without a pipeline, to this replica's reduce-scattered (slot, dtype) segments. As the step
 ends the sums are laid out into the flat parameter segments (`assemble`) and reduced
-over the data axes once (`finish`). A loop on one rank (gradient accumulation) adds them
-to the whole segments in place instead (`in_segments`): laying out per-leaf sums would
+over the data axes once (`finish`). The loop over ticks (pipelines, gradient accumulation) adds them
+to the rank's whole segments in place instead (`in_segments`): laying out per-leaf sums would
 hold a second copy of every gradient as the step ends. Split leaves (shard / shard_tensor) keep their
 pieces' shapes and are summed over their copies only (`finish_split`).
 """
@@ -42,8 +42,9 @@ class GradientSums:
       embedding [V, D] on the first rank and its head [D, V] on the last): every rank
       holds every position, and by shape each would hold both. Split leaves' pieces
       come last, from `split0` on, at `split0 + layout.split_pos[p]`.
-    in_segments: one rank's loop: the sums of unsplit leaves are its whole (slot,
-      dtype) segments, each leaf added at its offset, not per-leaf sums.
+    in_segments: the loop over ticks: the sums of unsplit leaves are the rank's whole
+      (slot, dtype) segments, each leaf added at its offset, not per-leaf sums (which a
+      switch over task kinds would pass through, one array each, and lay out at the end).
     where: (rank, leaf) -> its position.
     leaves_of_rank: rank -> the unsplit leaves whose gradients it makes.
     owned: rank -> the positions of those leaves.
@@ -66,7 +67,7 @@ class GradientSums:
     self.data_axes = plan.mesh.data_axes
     self.n_data = plan.mesh.n_data
     self.scatter_each_tick = layout.zero >= 2 and plan.mesh.n_pp == 1
-    self.in_segments = looped and plan.n_ranks == 1 and not self.scatter_each_tick
+    self.in_segments = looped and not self.scatter_each_tick
     per_rank: dict[int, list] = {r: [] for r in range(plan.n_ranks)}
     split_leaves: dict[int, int] = {}
     for r in model.regions:

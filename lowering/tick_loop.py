@@ -76,12 +76,24 @@ jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "acc", "split_a
                                  meta_fields=[])
 
 
+def _at(a: jax.Array, *index) -> jax.Array:
+  """`a[index]` for traced indices the table makes non-negative: one dynamic slice,
+  without the wrap-around of negative indices (and the `jit` around
+  `lax.dynamic_index_in_dim`) that indexing traces for every lookup."""
+  n = len(index)
+  x = lax.dynamic_slice(a, tuple(index) + (0,) * (a.ndim - n), (1,) * n + a.shape[n:],
+                        allow_negative_indices=False)
+  return x.reshape(a.shape[n:])
+
+
 def _written(stores: list, values) -> list:
   """`stores` with each (store, value, row) of `values` written into that row."""
   stores = list(stores)
   for st, x, row in values:
-    stores[st] = lax.dynamic_update_index_in_dim(stores[st], x.reshape(stores[st].shape[1:]),
-                                                 row, 0, allow_negative_indices=False)
+    buf = stores[st]
+    stores[st] = lax.dynamic_update_slice(buf, x.reshape((1,) + buf.shape[1:]),
+                                          (row,) + (0,) * (buf.ndim - 1),
+                                          allow_negative_indices=False)
   return stores
 
 
@@ -217,9 +229,8 @@ class TickLoop:
           return made[key]
         x = where[key]
         st = kind.reads[x]
-        return lax.dynamic_index_in_dim(stores[self.pools.of[st]], ops["read_rows"][x], 0,
-                                        keepdims=False, allow_negative_indices=False
-                                        ).reshape(self.table.stores[st].shape)
+        return _at(stores[self.pools.of[st]], ops["read_rows"][x]).reshape(
+            self.table.stores[st].shape)
 
       step_params: StepParams = ops["params"]
       own = step_params.own
@@ -256,8 +267,7 @@ class TickLoop:
     value, row) values at their positions and, at the others, what the row they go to
     holds (the buffer's scratch row): a read of a row of a buffer is one kernel
     whatever the position, where a zero fill would be one per size."""
-    values = [lax.dynamic_index_in_dim(ops["stores"][b], ops["position_rows"][p], 0,
-                                       keepdims=False, allow_negative_indices=False)
+    values = [_at(ops["stores"][b], ops["position_rows"][p])
               for p, (b, _) in enumerate(self.positions)]
     for p, (_, x, _) in zip(self._write_positions([b for b, _, _ in written]), written):
       values[p] = x.reshape(-1)
@@ -309,9 +319,10 @@ class TickLoop:
       for j, code in enumerate(seq[:p]):
         f = i * p + j
         if code:
-          c = branches[code](_operands(c, params, batch, mb[f], [a[f] for a in read_rows],
-                                       [a[f] for a in write_rows]))
-        c = self._regroup(c, regroup_rows[f])
+          c = branches[code](_operands(c, params, batch, _at(mb, f),
+                                       [_at(a, f) for a in read_rows],
+                                       [_at(a, f) for a in write_rows]))
+        c = self._regroup(c, _at(regroup_rows, f))
       return c
 
     return lax.fori_loop(0, len(seq) // p, repeat, carry)
@@ -321,9 +332,7 @@ class TickLoop:
     stores = list(c.stores)
     for n, g in enumerate(self.table.regroups):
       source, target = self.table.stores[g.source], self.table.stores[g.target]
-      x = lax.dynamic_index_in_dim(stores[self.pools.of[g.source]], rows[n, 0], 0,
-                                   keepdims=False, allow_negative_indices=False
-                                   ).reshape(source.shape)
+      x = _at(stores[self.pools.of[g.source]], rows[n, 0]).reshape(source.shape)
       y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape, jnp.dtype(target.dtype)))
       stores = _written(stores, [(self.pools.of[g.target], y, rows[n, 1])])
     return LoopCarry(stores, c.acc, c.split_acc, c.loss)
@@ -359,24 +368,23 @@ class TickLoop:
 
     def tick(i, c: LoopCarry) -> LoopCarry:
       def slot(s, c: LoopCarry) -> LoopCarry:
-        ops = _operands(c, params, batch, mb[i, rank, s], [a[i, rank, s] for a in read_rows],
-                        [a[i, rank, s] for a in write_rows],
-                        [a[i, rank, s] for a in position_rows] if self.write_after else None)
-        out = self._switch(code[i, rank, s], branches, ops)
+        at = lambda a: _at(a, i, rank, s)
+        ops = _operands(c, params, batch, at(mb), [at(a) for a in read_rows],
+                        [at(a) for a in write_rows],
+                        [at(a) for a in position_rows] if self.write_after else None)
+        out = self._switch(at(code), branches, ops)
         if self.write_after:
-          out = LoopCarry(_written(c.stores, [(b, out.values[p], position_rows[p][i, rank, s])
+          out = LoopCarry(_written(c.stores, [(b, out.values[p], at(position_rows[p]))
                                               for p, (b, _) in enumerate(self.positions)]),
                           out.acc, out.split_acc, out.loss)
-        return self._regroup(out, regroup_rows[i, rank, s])
+        return self._regroup(out, at(regroup_rows))
 
       c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
       of = self.pools.of
-      got = [lax.ppermute([lax.dynamic_index_in_dim(c.stores[of[st]], send_rows[i, rank, j, n],
-                                                    0, keepdims=False,
-                                                    allow_negative_indices=False)
+      got = [lax.ppermute([_at(c.stores[of[st]], _at(send_rows, i, rank, j, n))
                            for n, st in enumerate(rnd.stores)], "pp", perm=list(rnd.perm))
              for j, rnd in enumerate(table.rounds)]
-      stores = _written(c.stores, [(of[st], got[j][n], recv_rows[i, rank, j, n])
+      stores = _written(c.stores, [(of[st], got[j][n], _at(recv_rows, i, rank, j, n))
                                    for j, rnd in enumerate(table.rounds)
                                    for n, st in enumerate(rnd.stores)])
       return LoopCarry(stores, c.acc, c.split_acc, c.loss)
