@@ -1,13 +1,13 @@
 """Where a step's weight gradients accumulate, and how they are reduced and laid out.
 
-A pipeline rank adds each task's weight gradients to running sums, one per leaf
-(flat, at a position ranks share by size: `match_positions`), or, under ZeRO 2/3
-without a pipeline, to this replica's reduce-scattered (slot, dtype) segments. As the step
-ends the sums are laid out into the flat parameter segments (`assemble`) and reduced
-over the data axes once (`finish`). The loop over ticks (pipelines, gradient accumulation) adds them
-to the rank's whole segments in place instead (`in_segments`): laying out per-leaf sums would
-hold a second copy of every gradient as the step ends. Split leaves (shard / shard_tensor) keep their
-pieces' shapes and are summed over their copies only (`finish_split`).
+The loop over ticks (pipelines, gradient accumulation) adds each task's weight gradients
+to the rank's whole (slot, dtype) segments in place (`in_segments`). A step of one
+microbatch on one rank, written out tick by tick, adds them to running sums, one per leaf
+(flat, at a position ranks share by size: `match_positions`), laid out into the flat
+parameter segments as the step ends (`assemble`). Under ZeRO 2/3 without a pipeline,
+either step reduce-scatters each tick's gradients into this replica's segments. The sums are reduced over the data axes once (`finish`). Split
+leaves (shard / shard_tensor) keep their pieces' shapes and are summed over their copies
+only (`finish_split`).
 """
 
 from __future__ import annotations

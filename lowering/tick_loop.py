@@ -49,7 +49,7 @@ class LoopCarry:
   the loss."""
 
   stores: list
-  acc: dict       # gradient position -> sum (`GradientSums.zero_sums`)
+  acc: dict       # (slot, dtype) -> the rank's gradient segment (`GradientSums.zero_sums`)
   split_acc: dict  # split leaves' gradient positions -> sum
   loss: jax.Array
 
