@@ -40,7 +40,6 @@ Suffixes (`zero3+rbf16+r24`):
   +keepgathered `zero3_reshard` off: ZeRO-3 keeps weights gathered forward to backward
   +stacked      `spread_uneven_slots=False`: uneven slots stacked, each rank padded to the largest
   +slotN        `slot_bytes` of N MiB
-  +writeafter   `write_stores_after_switch` on
   +nocmdbuf     XLA's own command buffers (`compiler_options={}`), not piper-jax's
   +xla          the variant with `--xla-flags` added to XLA_FLAGS (process-wide options)
 
@@ -90,7 +89,7 @@ _BASELINE = {"gspmd-fsdp": "gspmd-fsdp", "zero3": "gspmd-fsdp", "accum": "shmap-
 # Variant suffixes besides "+rK" (a DP variant over K regions), "+L<blocks>-..." and
 # "+slotN"; the module docstring says what each does.
 _SUFFIXES = ("ep", "tp", "balanced", "bf16", "mask", "ac", "rbf16", "remat", "noremat", "nocast",
-             "nodistopt", "keepgathered", "stacked", "writeafter", "nocmdbuf", "xla")
+             "nodistopt", "keepgathered", "stacked", "nocmdbuf", "xla")
 _REGIONS = re.compile(r"r\d+")
 _LAYERS = re.compile(r"L\d+(-\d+)+")  # "+L9-7": blocks per pipeline stage
 _SLOTS = re.compile(r"slot\d+")  # "+slot16": slot_bytes of 16 MiB
@@ -320,7 +319,6 @@ def lowering_options(mods: list[str]):
       shard_masters="nodistopt" not in mods,
       zero3_reshard="keepgathered" not in mods,
       spread_uneven_slots="stacked" not in mods,
-      write_stores_after_switch=True if "writeafter" in mods else None,
       compiler_options={} if "nocmdbuf" in mods else None,
       **({"slot_bytes": slots[0]} if slots else {}))
 

@@ -36,18 +36,14 @@ class LoweringOptions:
       are still being reduced. None: 64 MiB, or a slot per leaf on one CPU device,
       where there is no reduction to overlap and XLA's CPU program copies every weight
       it slices out of a slot (GPU kernels read them in place).
-    write_stores_after_switch: the loop's branches return the values they made and the
-      rows they go to, written into the stores after the slot's switch, instead of
-      returning the stores written in place. None: on CPU only, where XLA gives a switch
-      that returns the stores buffers of its own and copies every store in every slot;
-      a GPU writes them in place, and the extra writes after the switch only cost time.
     zero3_reshard: ZeRO-3 without a pipeline gathers a region's weights again for its
       backward (PyTorch FSDP's reshard_after_forward): a device holds the weights of the
       ticks in flight. (A pipeline's ZeRO-3 gathers them once, as the step starts.)
       False lets XLA keep each region's weights from its forward gather to its backward:
       half the gathers, every weight held whole for the whole step.
     compiler_options: XLA options for the step's `jax.jit`; None takes piper-jax's (on
-      GPUs a pipeline's conditionals and rolled loop run as CUDA graphs), `{}` XLA's.
+      GPUs a pipeline's conditionals and rolled loop run as CUDA graphs; on CPU a loop's
+      branches write the value stores in place), `{}` XLA's.
   """
 
   remat: bool | None = None
@@ -55,7 +51,6 @@ class LoweringOptions:
   shard_masters: bool = True
   spread_uneven_slots: bool = True
   slot_bytes: int | None = None
-  write_stores_after_switch: bool | None = None
   zero3_reshard: bool = True
   compiler_options: Mapping[str, object] | None = None
 
@@ -69,11 +64,8 @@ class LoweringOptions:
     `n_devices` devices (None: not known) of `platform` ("cpu", "gpu"): the one place
     the defaults are chosen; `pj.compile` and the planner read the result."""
     remat = n_pp > 1 if self.remat is None else self.remat
-    after = (platform == "cpu" if self.write_stores_after_switch is None
-             else self.write_stores_after_switch)
     slot_bytes = self.slot_bytes or (1 if platform == "cpu" and n_devices == 1 else SLOT_BYTES)
-    return dataclasses.replace(self, remat=remat, write_stores_after_switch=after,
-                               slot_bytes=slot_bytes)
+    return dataclasses.replace(self, remat=remat, slot_bytes=slot_bytes)
 
 
   def changed(self) -> dict:

@@ -96,6 +96,10 @@ PIPELINE_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SL
                             "CONDITIONAL,WHILE")
 PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFERS,
                         "xla_gpu_graph_min_graph_size": 1}
+# The loop's branches write the value stores in place. XLA's GPU copy insertion sees that
+# a conditional's branches may alias its operands (region analysis); its CPU default does
+# not, and copies every store buffer in every branch of every slot.
+LOOP_CPU_XLA_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def lowers_as_loop(plan: Plan) -> bool:
@@ -113,9 +117,8 @@ class Program:
 
   def __init__(self, runner: RegionRunner, plan: Plan, layout: ParamLayout,
                options: LoweringOptions | None = None, platform: str = "gpu"):
-    """`platform` ("cpu" or "gpu"): the devices the program is for. `options.remat` and
-    `options.write_stores_after_switch` None are taken as False here; `pj.compile`
-    resolves them."""
+    """`platform` ("cpu" or "gpu"): the devices the program is for. `options.remat` None
+    is taken as False here; `pj.compile` resolves it."""
     self.options = options = options or LoweringOptions()
     self.runner, self.traced, self.plan, self.layout = runner, runner.traced, plan, layout
     self.platform = platform
@@ -207,10 +210,15 @@ class Program:
   def compiler_options(self, platform: str | None = None) -> dict:
     """XLA options for this program's step on `platform` (default: the program's;
     `jax.jit`'s `compiler_options`); options that XLA_FLAGS already name are left to it."""
-    if (platform or self.platform) != "gpu" or self.plan.n_ranks == 1:
+    platform = platform or self.platform
+    if platform == "gpu" and self.plan.n_ranks > 1:
+      options = PIPELINE_XLA_OPTIONS
+    elif platform == "cpu" and lowers_as_loop(self.plan):
+      options = LOOP_CPU_XLA_OPTIONS
+    else:
       return {}
     named = set(re.findall(r"--(?:no)?(\w+)", os.environ.get("XLA_FLAGS", "")))
-    return {k: v for k, v in PIPELINE_XLA_OPTIONS.items() if k not in named}
+    return {k: v for k, v in options.items() if k not in named}
 
   def _pass(self, name: str, region: int, fn):
     """`fn` (one pass of a region), jitted once per (pass, region): traced for the

@@ -54,25 +54,7 @@ class LoopCarry:
   loss: jax.Array
 
 
-@dataclasses.dataclass
-class SlotOut:
-  """What a slot's branch returns when the stores are written after the switch
-  (`LoweringOptions.write_stores_after_switch`): per write position
-  (`TickLoop.positions`), the value it made (where the kind writes fewer values there,
-  what the scratch row it goes to holds; the row each goes to is the table's,
-  `TickLoop._position_rows`), and the
-  gradient sums and loss. Otherwise a branch returns the whole `LoopCarry`, stores
-  written in place."""
-
-  values: list
-  acc: dict
-  split_acc: dict
-  loss: jax.Array
-
-
 jax.tree_util.register_dataclass(LoopCarry, data_fields=["stores", "acc", "split_acc", "loss"],
-                                 meta_fields=[])
-jax.tree_util.register_dataclass(SlotOut, data_fields=["values", "acc", "split_acc", "loss"],
                                  meta_fields=[])
 
 
@@ -97,13 +79,12 @@ def _written(stores: list, values) -> list:
   return stores
 
 
-def _operands(c: LoopCarry, params, batch: list, mb, read_rows: list, write_rows: list,
-              position_rows: list | None = None) -> dict:
+def _operands(c: LoopCarry, params, batch: list, mb, read_rows: list, write_rows: list) -> dict:
   """A branch's operands: the carry, the step's weights and batch, and the slot's
   microbatch and store rows, each row its own scalar operand (`_columns`)."""
   return {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
           "params": params, "batch": batch, "mb": mb, "read_rows": read_rows,
-          "write_rows": write_rows, "position_rows": position_rows}
+          "write_rows": write_rows}
 
 
 def _columns(rows: np.ndarray) -> list:
@@ -173,17 +154,6 @@ class TickLoop:
     self.period = self.table.period
     self.pools = Pools.of_stores(self.table.stores)
     self._pool_rows()
-    # Write positions: (buffer, n) for the n-th value a kind writes to that buffer, as
-    # many per buffer as the kind that writes it most.
-    most: dict[int, int] = {}
-    for kind in self.table.kinds:
-      writes = [self.pools.of[st] for st in kind.writes]
-      for b in set(writes):
-        most[b] = max(most.get(b, 0), writes.count(b))
-    self.positions: list[tuple[int, int]] = [(b, n) for b in sorted(most)
-                                             for n in range(most[b])]
-    # Without a switch, branches write the stores in place.
-    self.write_after = bool(prog.options.write_stores_after_switch) and self.period is None
     # Tensor parallel's all-reduces sit between a pass's equations: a switch over kinds
     # is cut at them (`Phases`, made when the loop is traced).
     self.cuts_at_collectives = "tp" in prog.plan.mesh.inner and self.period is None
@@ -256,51 +226,11 @@ class TickLoop:
       acc, split_acc = dict(ops["acc"]), dict(ops["split_acc"])
       if any(t.pass_ in _GRAD_PASSES for t in tasks):
         prog.grads.add_task(rank, grad_acc, acc, split_acc)
-      if self.write_after:
-        return self._slot_out(ops, written, acc, split_acc, loss)
       return LoopCarry(_written(stores, written), acc, split_acc, loss)
 
     return run
 
-  def _slot_out(self, ops, written, acc, split_acc, loss) -> SlotOut:
-    """A slot's result for the stores written after the switch: the `written` (buffer,
-    value, row) values at their positions and, at the others, what the row they go to
-    holds (the buffer's scratch row): a read of a row of a buffer is one kernel
-    whatever the position, where a zero fill would be one per size."""
-    values = [_at(ops["stores"][b], ops["position_rows"][p])
-              for p, (b, _) in enumerate(self.positions)]
-    for p, (_, x, _) in zip(self._write_positions([b for b, _, _ in written]), written):
-      values[p] = x.reshape(-1)
-    return SlotOut(values, acc, split_acc, loss)
-
-  def _write_positions(self, writes) -> list[int]:
-    """The write position (`positions`) of each value written to buffers `writes`, in
-    order: the n-th value written to a buffer takes that buffer's n-th position."""
-    seen: dict[int, int] = {}
-    out = []
-    for b in writes:
-      out.append(self.positions.index((b, seen.get(b, 0))))
-      seen[b] = seen.get(b, 0) + 1
-    return out
-
-  def _position_rows(self) -> np.ndarray:
-    """[tick, rank, slot, position]: the buffer row each write position's value goes to
-    (the buffer's scratch row where the slot's kind writes nothing there): data of the
-    table, so that no branch returns rows."""
-    table = self.table
-    rows = np.zeros(table.code.shape + (max(len(self.positions), 1),), np.int32)
-    for p, (b, _) in enumerate(self.positions):
-      rows[..., p] = self.pools.rows[b] - 1
-    of_kind = [self._write_positions([self.pools.of[st] for st in kind.writes])
-               for kind in table.kinds]
-    for t, k, s in zip(*np.nonzero(table.code)):
-      for j, p in enumerate(of_kind[table.code[t, k, s] - 1]):
-        rows[t, k, s, p] = self.write_rows[t, k, s, j]
-    return rows
-
   def _idle(self, ops):
-    if self.write_after:
-      return self._slot_out(ops, [], dict(ops["acc"]), dict(ops["split_acc"]), ops["loss"])
     return LoopCarry(ops["stores"], ops["acc"], ops["split_acc"], ops["loss"])
 
   def _run_straight(self, branches, params, batch, carry: LoopCarry) -> LoopCarry:
@@ -359,7 +289,6 @@ class TickLoop:
     stores = self.pools.zeros()
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
-    position_rows = _columns(self._position_rows()) if self.write_after else None
     code, mb, send_rows, recv_rows, regroup_rows = (
         jnp.asarray(x) for x in (table.code, table.mb, self.send_rows, self.recv_rows,
                                  self.regroup_rows))
@@ -370,14 +299,8 @@ class TickLoop:
       def slot(s, c: LoopCarry) -> LoopCarry:
         at = lambda a: _at(a, i, rank, s)
         ops = _operands(c, params, batch, at(mb), [at(a) for a in read_rows],
-                        [at(a) for a in write_rows],
-                        [at(a) for a in position_rows] if self.write_after else None)
-        out = self._switch(at(code), branches, ops)
-        if self.write_after:
-          out = LoopCarry(_written(c.stores, [(b, out.values[p], at(position_rows[p]))
-                                              for p, (b, _) in enumerate(self.positions)]),
-                          out.acc, out.split_acc, out.loss)
-        return self._regroup(out, at(regroup_rows))
+                        [at(a) for a in write_rows])
+        return self._regroup(self._switch(at(code), branches, ops), at(regroup_rows))
 
       c = lax.fori_loop(0, table.n_slots, slot, c) if table.n_slots > 1 else slot(0, c)
       of = self.pools.of

@@ -399,6 +399,6 @@ def test_accumulation_rows_against_plain_scan():
   assert rows["accum"]["microbatches"] == rows["accum-1f1b"]["microbatches"] == 4
   # Over 8 CPU devices slots hold 64 MiB and XLA's CPU program copies the weights it
   # slices out of them (on one device, a slot per leaf: tests/test_memory.py, 1.1x).
-  assert rows["accum"]["xla_gib"] <= 1.25 * rows["shmap-accum"]["xla_gib"]
-  assert rows["accum"]["xla_gib"] < rows["accum-1f1b"]["xla_gib"]
+  for v in ("accum", "accum-1f1b"):
+    assert rows[v]["xla_gib"] <= 1.25 * rows["shmap-accum"]["xla_gib"], (v, rows)
   assert "x shmap-accum |" in run.compile_table(list(rows.values()))

@@ -25,7 +25,7 @@ from examples import gpt
 from models import (assert_same_run, collectives_in_conds, init_mlp, mlp_loss, optimizer,
                     random_batch, shard_map_body)
 from piper_jax.ir.directives import Replicate
-from piper_jax.lowering.program import PIPELINE_XLA_OPTIONS
+from piper_jax.lowering.program import LOOP_CPU_XLA_OPTIONS, PIPELINE_XLA_OPTIONS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,7 +104,8 @@ def test_gpu_step_lowers_for_cuda_with_command_buffers(monkeypatch):
                   devices=jax.devices()[:4], platform="gpu")
   assert _jit_options(dp.lower(dp.init(params), batch)) == {}
   cpu_pipeline, state, batch = _pipeline_step(n_mb=4, platform=None)
-  assert cpu_pipeline.compiler_options() == {} != cpu_pipeline.compiler_options("gpu")
+  assert cpu_pipeline.compiler_options() == LOOP_CPU_XLA_OPTIONS
+  assert _jit_options(cpu_pipeline.lower(state, batch)) == LOOP_CPU_XLA_OPTIONS
 
 
 def _jit_options(lowered) -> dict:

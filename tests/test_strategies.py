@@ -406,9 +406,12 @@ def test_bias_gradients_summed_from_a_barrier(directives):
 
 
 def test_compiler_options(monkeypatch):
-  # On GPUs a pipeline's step runs its loop and the loop's conditionals as CUDA graphs; data parallelism (neither), CPUs and XLA_FLAGS that set them keep XLA's.
+  # On GPUs a pipeline's step runs its loop and the loop's conditionals as CUDA graphs; on
+  # CPUs a loop's branches write its stores in place; data parallelism (neither) and
+  # XLA_FLAGS that set them keep XLA's.
   from models import optimizer, random_batch
-  from piper_jax.lowering.program import PIPELINE_COMMAND_BUFFERS, PIPELINE_XLA_OPTIONS
+  from piper_jax.lowering.program import (LOOP_CPU_XLA_OPTIONS, PIPELINE_COMMAND_BUFFERS,
+                                          PIPELINE_XLA_OPTIONS)
   loss, params = _mlp(2)
   batch = random_batch(jax.random.PRNGKey(1), 16)
   pp = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch)
@@ -417,7 +420,8 @@ def test_compiler_options(monkeypatch):
   # A tick's conditional is one command between two collective-permutes.
   assert PIPELINE_XLA_OPTIONS["xla_gpu_graph_min_graph_size"] == 1
   assert pp.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
-  assert pp.compiler_options("cpu") == dp.compiler_options("gpu") == {}
+  assert pp.compiler_options("cpu") == LOOP_CPU_XLA_OPTIONS
+  assert dp.compiler_options("gpu") == dp.compiler_options("cpu") == {}
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
   assert pp.compiler_options("gpu") == {"xla_gpu_graph_min_graph_size": 1}
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=5")
@@ -425,6 +429,8 @@ def test_compiler_options(monkeypatch):
   # A longer flag that starts with the same name is another option.
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer_va_remapping=true")
   assert pp.compiler_options("gpu") == PIPELINE_XLA_OPTIONS
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_copy_insertion_use_region_analysis=false")
+  assert pp.compiler_options("cpu") == {}
   # The user's options reach XLA in place of piper-jax's.
   bad = pj.compile(loss, optimizer(), pj.strategies.pipeline(2, 4), params, batch,
                    compiler_options={"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
@@ -456,10 +462,8 @@ def test_lowering_options_are_one_argument():
   opts = pj.LoweringOptions(zero3_reshard=False, slot_bytes=1024)
   step = pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params, _batch(),
                     options=opts, remat=False)
-  # None resolves per platform: the stores written after the loop's switch on CPU.
-  assert step.options == dataclasses.replace(opts, remat=False, write_stores_after_switch=True)
-  assert step.options.changed() == {"zero3_reshard": False, "remat": False, "slot_bytes": 1024,
-                                    "write_stores_after_switch": True}
+  assert step.options == dataclasses.replace(opts, remat=False)
+  assert step.options.changed() == {"zero3_reshard": False, "remat": False, "slot_bytes": 1024}
   assert step.layout.n_slots > 1  # 1 KiB slots: several a region
   # remat=None resolves per strategy: on in pipelines.
   assert pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params,

@@ -12,6 +12,7 @@ import pytest
 import piper_jax as pj
 from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch, tp_gpt
 from piper_jax.lowering import collectives_in_conditionals
+from piper_jax.lowering.tick_loop import Pools
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,15 +32,27 @@ def test_tick_loop_same_numbers(schedule, n_stages, dp, zero):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
-def test_stores_written_inside_or_after_the_switch_give_the_same_numbers(schedule):
-  # After the switch is the default on CPU; inside it (each branch returns the stores it
-  # wrote in place) the default on GPUs.
+def test_branches_write_the_stores_in_place_on_cpu(schedule):
+  # XLA's CPU copy insertion copies every store buffer a conditional's branches write
+  # unless it runs its region analysis, which `pj.compile` turns on for loops; then
+  # only a buffer that a branch both reads and writes (the activations') is copied there.
   params = init_mlp(jax.random.PRNGKey(0), 4)
   directives = pj.strategies.pipeline(4, 4, schedule)
-  for after in (False, None):
-    options = pj.LoweringOptions(write_stores_after_switch=after)
-    step, _ = assert_same_run(mlp_loss(4), params, directives, options=options)
-    assert step.options.write_stores_after_switch is (after is None)
+  step, state = assert_same_run(mlp_loss(4), params, directives)
+  pools = Pools.of_stores(step.schedule_table.stores)
+  kind = {"float32": "f32", "int32": "s32", "bool": "pred"}
+  buffers = [f"{kind[dt]}[{n},{m}]" for n, m, dt in zip(pools.rows, pools.size, pools.dtype)]
+  batch = random_batch(jax.random.PRNGKey(0), 16)
+
+  def copies(**kw):
+    s = pj.compile(mlp_loss(4), optax.adam(1e-3), directives, params, batch, **kw)
+    text = s.lower(s.init(params), batch).compile().as_text()
+    return [len(re.findall(r"= " + re.escape(b) + r"\{[^}]*\} copy\(", text)) for b in buffers]
+
+  assert step.compiler_options() == {"xla_cpu_copy_insertion_use_region_analysis": True}
+  ours, xlas = copies(), copies(compiler_options={})
+  assert len(buffers) >= 4 and sum(n > 0 for n in ours) <= 1
+  assert all(n > 0 for n in xlas[2:]) and sum(ours) < sum(xlas) / 3, (ours, xlas)
 
 
 def test_tick_loop_expert_parallel_x_pipeline(batches_of):
@@ -75,8 +88,8 @@ def _passes_in_program(schedule, n_microbatches, options):
 def test_program_size_does_not_grow_with_microbatches(schedule):
   calls4, size4 = _passes_in_program(schedule, 4, None)
   calls16, size16 = _passes_in_program(schedule, 16, None)
-  assert calls4 == calls16 and abs(size16 - size4) < 0.05 * size4, (calls4, calls16, size4,
-                                                                     size16)
+  # (Microbatches of another size pool their stores otherwise: a few lines either way.)
+  assert calls4 == calls16 and size16 < 1.05 * size4, (calls4, calls16, size4, size16)
   # Each region's F and B once: 4 regions, 2 passes.
   assert calls4 <= 8, calls4
 
@@ -225,14 +238,13 @@ def test_an_expert_parallel_pipelines_all_to_alls_run_outside_its_conditionals(
   assert re.search(r"\ball-to-all(-start)?\(", hlo)
 
 
-@pytest.mark.parametrize("how", ["1f1b-dp2-tp2", "zb-dp2-tp2-in-place", "stages-sharing-dp2-tp2",
+@pytest.mark.parametrize("how", ["1f1b-dp2-tp2", "zb-dp2-tp2", "stages-sharing-dp2-tp2",
                                  "dualpipev-zero3-tp2"])
 def test_a_tensor_parallel_pipelines_all_reduces_run_outside_its_conditionals(batches_of, how):
   # A slot's branches are cut at tensor parallel's all-reduces (`Phases`): each phase a
   # switch, the all-reduces between them on every device.
   config, loss, params = tp_gpt(4 if how.startswith("dualpipev") else 2)
   batches_of(config)
-  options = pj.LoweringOptions(write_stores_after_switch=False if "in-place" in how else None)
   if how.startswith("dualpipev"):  # 4 stages on 2 ranks, x TP2 x DP2 under ZeRO-3
     directives = pj.strategies.pipeline(4, 4, "dualpipev", dp=4, zero=3)
     directives.append(pj.shard_tensor({}, [0, 2, 1, 3]))
@@ -245,7 +257,7 @@ def test_a_tensor_parallel_pipelines_all_reduces_run_outside_its_conditionals(ba
     directives = [pj.split(4), pj.replicate({}, [0, 1, 2, 3], zero=1),
                   *pj.schedules.one_f_one_b(2, 4), pj.shard_tensor({}, [0, 1])]
     n_devices = 4
-  step, state = assert_same_run(loss, params, directives, batch_size=8, options=options,
+  step, state = assert_same_run(loss, params, directives, batch_size=8,
                                 devices=jax.devices()[:n_devices])
   assert step.schedule_table.period is None and step.describe().count("phase") >= 1
   import models
