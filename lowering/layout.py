@@ -76,7 +76,8 @@ def _whole(x: jax.Array, dim: int) -> jax.Array:
 
 def _fill_slots(leaves: Sequence[tuple], slot_bytes: int) -> tuple[list[tuple[int, int]], int]:
   """Slots and offsets of packed leaves, given per leaf (rank, group, dtype, size); rank
-  None: the SHARED segment; a group is (region slot, cast or not).
+  None: the SHARED segment; a group is (region slot, cast or not), or (0, cast or not) for
+  all of a pipeline rank's regions.
 
   A group's leaves of one dtype fill parts of at most `slot_bytes` in order (a larger
   leaf gets a part of its own). A group's parts on different ranks share slot indices
@@ -144,6 +145,10 @@ class ParamLayout:
   The leaves of the j-th region placed on rank i fill slots (j, 0), (j, 1), ... of
   rank i, each of at most `options.slot_bytes`; slots are numbered across ranks in that order
   (leaves read on several ranks go to the SHARED segment that every rank holds). A
+  pipeline rank's regions fill one sequence of slots, in order: a slot's buffer is then
+  padded to the largest rank's part of the whole stage, not of one region (a first
+  region that also holds the embedding would pad every rank's first slot to its size,
+  and have it spread); a pipeline's ZeRO-3 gathers all of them as the step starts. A
   segment is padded to `n_dp * chunk` and stored as `n_dp` chunks, so that ZeRO-3
   shards it by keeping one chunk per replica. The buffers are a `Buffers`: per dtype,
   `slots[dtype]`, a list with one [n_pp, n_dp, chunk] array per slot of
@@ -220,7 +225,8 @@ class ParamLayout:
             (p, jax.ShapeDtypeStruct(tuple(piece), jnp.dtype(spec.dtype))))
         homes[p] = Home(rank, SPLIT, spec.dtype, 0, spec.size, spec.shape)
       elif len(ranks) == 1:
-        group = (region_slot[users[p][0]], p in self.cast)
+        # Without a pipeline, ZeRO-3 gathers a region's slots for its tasks: one region each.
+        group = (region_slot[users[p][0]] if self.n_pp == 1 else 0, p in self.cast)
         packed.append((p, ranks.pop(), group, spec.dtype, spec.size))
       else:
         packed.append((p, None, None, spec.dtype, spec.size))

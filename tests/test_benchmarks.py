@@ -356,9 +356,13 @@ def test_planner_estimates_expert_parallel_rows(tmp_path):
   assert p["measured_gib"] == 0.07 and p["measured_ms"] is None and p["predicted_ms"] is None
   assert p["predicted_gib"] == out["pp-1f1b+ep"]["predicted_gib"]
   # --stacked: rows that ran with uneven slots stacked over the ranks, each rank padded
-  # to the largest (the embedding's), not spread over all devices.
+  # to the largest, not spread over all devices (stages of 6 and 2 blocks).
+  raw.write_text(json.dumps({"meta": {"batch": 8, "microbatches": 4, "pp": 2},
+                             "rows": [{"variant": "pp-1f1b+ep+L6-2", "model": "qwen3-moe-tiny",
+                                       "devices": 4, "xla_gib": 0.07, "attention": "xla"}]}))
+  (spread,) = planner.predict(str(raw), 300e9)
   (stacked,) = planner.predict(str(raw), 300e9, stacked=True)
-  assert stacked["params_gib"] > p["params_gib"]
+  assert stacked["params_gib"] > spread["params_gib"]
 
 
 @pytest.mark.timeout(300)
