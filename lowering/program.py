@@ -98,7 +98,9 @@ PIPELINE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": PIPELINE_COMMAND_BUFFER
                         "xla_gpu_graph_min_graph_size": 1}
 # The loop's branches write the value stores in place. XLA's GPU copy insertion sees that
 # a conditional's branches may alias its operands (region analysis); its CPU default does
-# not, and copies every store buffer in every branch of every slot.
+# not, and copies every store buffer in every branch of every slot. With it, branches
+# analysed after the first few of a switch still copy what they pass through
+# (docs/lowering.md says how much).
 LOOP_CPU_XLA_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
