@@ -611,7 +611,7 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
 
   import piper_jax as pj
   from examples import gpt
-  from piper_jax.lowering import collectives_in_conditionals
+  from piper_jax.lowering import collectives_in_conditionals, copies_in_branches
   from piper_jax.memory import CompiledMemory
 
   devices = jax.devices()
@@ -646,7 +646,10 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
   row["compile_s"] = time.perf_counter() - t0
   mem = CompiledMemory.of(compiled)
   # On GPUs a conditional that holds a collective runs from the host, outside CUDA graphs.
-  row["collectives_in_conditionals"] = len(collectives_in_conditionals(compiled.as_text()))
+  text = compiled.as_text()
+  row["collectives_in_conditionals"] = len(collectives_in_conditionals(text))
+  # What XLA copies each time a switch branch runs (the most of any branch).
+  row["branch_copy_mib"] = max((b for c in copies_in_branches(text) for b in c), default=0) / 2**20
   row["xla_gib"] = mem.total / 2**30
   row["memory"] = {k: getattr(mem, k) for k in ("arguments", "outputs", "aliased", "temporaries")}
   return row
@@ -746,18 +749,19 @@ def compile_table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of `--compile-only` rows; the ratio is build + XLA seconds over the
   baseline's."""
   lines = ["| model | variant | devices | build s | XLA s | vs baseline | XLA GiB "
-           "| collectives in conditionals |", "|" + "---|" * 8]
+           "| collectives in conditionals | MiB copied in a branch |", "|" + "---|" * 9]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | | | |")
       continue
     name, b = baseline_row(base, r["variant"], r["model"], baseline_of)
     total = lambda x: x["build_s"] + x["compile_s"]
     ratio = f"{total(r) / total(b):.2f}x {name}" if b else "-"
+    copied = f"{r['branch_copy_mib']:.1f}" if "branch_copy_mib" in r else "-"
     lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['build_s']:.1f} | "
                  f"{r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} | "
-                 f"{r.get('collectives_in_conditionals', '-')} |")
+                 f"{r.get('collectives_in_conditionals', '-')} | {copied} |")
   return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ host, outside CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Iterator
 
@@ -130,9 +131,8 @@ _HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")
 
 
-def collectives_in_conditionals(hlo: str) -> list[str]:
-  """The collectives the compiled program runs inside a conditional's branches
-  (following the computations they call), by HLO opcode."""
+def _computations(hlo: str) -> dict[str, list[str]]:
+  """The compiled program's computations by name: their instruction lines."""
   comps: dict[str, list[str]] = {}
   cur = None
   for line in hlo.splitlines():
@@ -141,11 +141,40 @@ def collectives_in_conditionals(hlo: str) -> list[str]:
       cur = comps.setdefault(m.group(1), [])
     elif cur is not None:
       cur.append(line)
+  return comps
+
+
+def _branches(comps: dict[str, list[str]]) -> list[list[str]]:
+  """Each conditional's branch computations, by name."""
+  return [re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1])
+          for lines in comps.values() for line in lines if " conditional(" in line]
+
+
+def _array_bytes(shape: str) -> int:
+  """Bytes of an HLO array shape such as `f32[14,524288]` (`pred` a byte)."""
+  m = re.match(r"([a-z]+)(\d*)\w*\[([\d,]*)\]", shape)
+  bits = int(m.group(2)) if m.group(2) else 8
+  return bits // 8 * math.prod(int(d) for d in m.group(3).split(",") if d)
+
+
+def copies_in_branches(hlo: str) -> list[list[int]]:
+  """Per conditional of the compiled program, per branch, the bytes its own `copy`
+  instructions write: what XLA copies each time that branch runs (the stores a branch
+  passes through where XLA could not keep them in place)."""
+  comps = _computations(hlo)
+  return [[sum(_array_bytes(m.group(1)) for line in comps.get(b, [])
+               for m in [re.search(r"= (\w+\[[\d,]*\])\S* copy\(", line)] if m)
+           for b in branches] for branches in _branches(comps)]
+
+
+def collectives_in_conditionals(hlo: str) -> list[str]:
+  """The collectives the compiled program runs inside a conditional's branches
+  (following the computations they call), by HLO opcode."""
+  comps = _computations(hlo)
   called = lambda line: re.findall(r"%([\w.\-]+)", " ".join(re.findall(
       r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
   found, seen = [], set()
-  todo = [c for lines in comps.values() for line in lines if " conditional(" in line
-          for c in re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1])]
+  todo = [c for branches in _branches(comps) for c in branches]
   while todo:
     name = todo.pop()
     if name in seen or name not in comps:
