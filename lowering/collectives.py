@@ -151,10 +151,11 @@ def _branches(comps: dict[str, list[str]]) -> list[list[str]]:
 
 
 def _array_bytes(shape: str) -> int:
-  """Bytes of an HLO array shape such as `f32[14,524288]` (`pred` a byte)."""
+  """Bytes of an HLO array shape such as `f32[14,524288]` (`pred` a byte; sub-byte
+  types packed)."""
   m = re.match(r"([a-z]+)(\d*)\w*\[([\d,]*)\]", shape)
   bits = int(m.group(2)) if m.group(2) else 8
-  return bits // 8 * math.prod(int(d) for d in m.group(3).split(",") if d)
+  return (bits * math.prod(int(d) for d in m.group(3).split(",") if d) + 7) // 8
 
 
 def copies_in_branches(hlo: str) -> list[list[int]]:

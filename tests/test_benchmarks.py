@@ -382,7 +382,7 @@ def test_compile_only_counts_memory_without_running():
   # Data parallel keeps every parameter and optimizer state on each device; 1F1B over 2
   # ranks half of them.
   assert rows[1]["memory"]["arguments"] < rows[0]["memory"]["arguments"]
-  # Plain jit has no switch to copy in; a pipeline's branches copy at most its stores.
+  # Every row says the most a switch branch copies; plain jit has no switch.
   assert rows[0]["branch_copy_mib"] == 0 and all(r["branch_copy_mib"] >= 0 for r in rows)
   text = run.compile_table(rows)
   assert "| tiny | pp-1f1b@z1 | 8 |" in text and "x jit-dp |" in text and "| 0 |" in text
