@@ -150,12 +150,10 @@ class GradientSums:
     step's sums (`zero_sums`): per-leaf sums, or this replica's reduce-scattered
     segments (`scatter_each_tick`); split leaves' pieces to `split_acc`."""
     if self.in_segments:
-      for p, g in grads.items():
-        if p not in self.layout.split:
-          h = self.layout.home[p]
-          key = (h.slot, h.dtype)
-          at = acc[key][h.offset:h.offset + g.size] + jnp.ravel(g).astype(acc[key].dtype)
-          acc[key] = lax.dynamic_update_slice(acc[key], at, (h.offset,))
+      for key, start, gs in self._runs(grads):
+        g = jnp.concatenate([jnp.ravel(g).astype(acc[key].dtype) for g in gs])
+        acc[key] = lax.dynamic_update_slice(acc[key], acc[key][start:start + g.size] + g,
+                                            (start,))
       grads = {p: g for p, g in grads.items() if p in self.layout.split}
     by_pos = {self.where[(rank, p)]: g for p, g in grads.items()}
     segment_grads = {}
@@ -175,6 +173,24 @@ class GradientSums:
         x = self.collective(lax.psum_scatter, x, self.data_axes, scatter_dimension=0,
                             tiled=True)
         acc[key] = acc[key] + x.astype(key[1])
+
+  def _runs(self, grads: dict[int, jax.Array]) -> list[tuple[tuple, int, list]]:
+    """The unsplit leaves of `grads` as runs that lie back to back in one segment:
+    ((slot, dtype), offset of the run, its gradients in order). One add per run
+    instead of one per leaf: a region's leaves are consecutive in its rank's slot, and
+    XLA compiles each add at its own offset as its own kernel."""
+    homes = sorted(((self.layout.home[p], p) for p in grads if p not in self.layout.split),
+                   key=lambda hp: (str(hp[0].slot), hp[0].dtype, hp[0].offset))
+    runs: list[tuple[tuple, int, list]] = []
+    end = None
+    for h, p in homes:
+      key = (h.slot, h.dtype)
+      if runs and runs[-1][0] == key and end == h.offset:
+        runs[-1][2].append(grads[p])
+      else:
+        runs.append((key, h.offset, [grads[p]]))
+      end = h.offset + grads[p].size
+    return runs
 
   def tick_sums(self, rank: int, grads: dict[int, jax.Array], positions, old: dict,
                 filler: Callable) -> dict[int, jax.Array]:
