@@ -190,12 +190,19 @@ class TickLoop:
     write_keys = [prog.task_produces(tasks[j])[n] for j, n in kind.write_at]
     reads_params = set().union(*(prog.model.regions[t.region].params for t in tasks))
 
-    def run(ops):
+    def run(ops, made: dict | None = None):
+      """The kind's tasks on the slot's operands. With `made` (a repeat that holds one
+      microbatch's values, `_direct`): values come from and go to `made`, regrouped
+      where read, and no store is touched."""
       stores = ops["stores"]
-      made: dict = {}   # what the steps made, read by the steps after them
+      direct = made is not None
+      made = {} if made is None else made   # what the steps made, read by the steps after
 
       def read(key):
         if key in made:
+          return made[key]
+        if direct:  # made earlier in the repeat, or regrouped from such a value
+          made[key] = prog.regroup(read(prog.made_from(key)), prog.value_aval(key))
           return made[key]
         x = where[key]
         st = kind.reads[x]
@@ -221,8 +228,9 @@ class TickLoop:
                  for b in prog.model.regions[t.region].batch]
         loss = loss + prog.run_task(t.region, t.pass_, 0, read, param, batch, made, grad_acc)
       dtype = lambda st: jnp.dtype(self.table.stores[st].dtype)
-      written = [(self.pools.of[kind.writes[j]], made[key].astype(dtype(kind.writes[j])),
-                  ops["write_rows"][j]) for j, key in enumerate(write_keys)]
+      written = [] if direct else [
+          (self.pools.of[kind.writes[j]], made[key].astype(dtype(kind.writes[j])),
+           ops["write_rows"][j]) for j, key in enumerate(write_keys)]
       acc, split_acc = dict(ops["acc"]), dict(ops["split_acc"])
       if any(t.pass_ in _GRAD_PASSES for t in tasks):
         prog.grads.add_task(rank, grad_acc, acc, split_acc)
@@ -239,6 +247,8 @@ class TickLoop:
     other, with no switch, so that collectives inside tasks (ZeRO 2/3's, tensor
     parallel's) sit in the loop's body."""
     table, p = self.table, self.period
+    if self._direct():
+      return self._run_direct(branches, params, batch, carry)
     flat = lambda a: jnp.asarray(a[:, 0].reshape((-1,) + a.shape[3:]))  # [tick * slot, ...]
     mb, regroup_rows = flat(table.mb), flat(self.regroup_rows)
     read_rows, write_rows = (_columns(a[:, 0].reshape((-1, a.shape[-1])))
@@ -253,6 +263,42 @@ class TickLoop:
                                        [_at(a, f) for a in read_rows],
                                        [_at(a, f) for a in write_rows]))
         c = self._regroup(c, _at(regroup_rows, f))
+      return c
+
+    return lax.fori_loop(0, len(seq) // p, repeat, carry)
+
+  def _direct(self) -> bool:
+    """Whether each repeat of the straight loop is one microbatch's passes and reads
+    only values made earlier in it (gradient accumulation): its values then pass from
+    task to task as `lax.scan`'s body passes them, through no store."""
+    table, p, prog = self.table, self.period, self.prog
+    mb = table.mb[:, 0].reshape(-1, p)
+    seq = table.code[:, 0].reshape(-1)[:p]
+    live = seq > 0
+    if not (mb[:, live] == mb[:, live][:, :1]).all():
+      return False
+    made: set = set()
+    for code in seq[live]:
+      for t in self._tasks[code - 1]:
+        if any(prog.root(key) not in made for key in prog.task_reads(t)):
+          return False
+        made.update(prog.task_produces(t))
+    return True
+
+  def _run_direct(self, branches, params, batch, carry: LoopCarry) -> LoopCarry:
+    """The straight loop whose repeats hold their own values (`_direct`): one repeat
+    per microbatch, its branches one after the other on the values the earlier ones
+    made; expert parallel's all-to-alls run where a value is read in the other layout."""
+    table, p = self.table, self.period
+    seq = table.code[:, 0].reshape(-1)
+    mbs = jnp.asarray(table.mb[:, 0].reshape(-1, p)[:, int(np.argmax(seq[:p] > 0))])
+
+    def repeat(i, c: LoopCarry) -> LoopCarry:
+      made: dict = {}
+      ops = _operands(c, params, batch, _at(mbs, i), [], [])
+      for code in seq[:p]:
+        if code:
+          c = branches[code](dict(ops, acc=c.acc, split_acc=c.split_acc, loss=c.loss), made)
       return c
 
     return lax.fori_loop(0, len(seq) // p, repeat, carry)

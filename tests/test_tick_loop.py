@@ -314,3 +314,20 @@ def test_stores_of_one_size_and_dtype_share_a_buffer_and_its_scratch_row():
   np.testing.assert_array_equal(pools.rows_of(stores, 0, rows), [0, 2, 5])
   np.testing.assert_array_equal(pools.rows_of(stores, 1, np.array([0, 1, 2])), [3, 4, 5])
   assert [z.shape for z in pools.zeros()] == [(6, 8), (2, 8), (2, 4)]
+
+
+def test_accumulation_hands_each_microbatchs_values_on_directly(batches_of):
+  # Each repeat of the straight loop is one microbatch's passes: its values pass from
+  # task to task through no store, and all-to-alls run only where an expert-parallel
+  # region's tokens change layout (its inputs, its outputs and their cotangents), not
+  # after every pass on scratch rows.
+  config, loss, params = moe_gpt(1)
+  batches_of(config)
+  directives = [pj.split(4), pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [0, 1])]
+  step, state = assert_same_run(loss, params, directives, batch_size=16, tx=MOE_TX)
+  program = step._program
+  assert program.tick_loop._direct()
+  n_ep = sum(program.runner.io_local(r.index) for r in program.model.regions)
+  import models  # the batches `batches_of` set for this model
+  text = step.lower(state, models.random_batch(jax.random.PRNGKey(0), 16)).as_text()
+  assert n_ep and len(re.findall(r"\ball_to_all\b", text)) == 4 * n_ep
