@@ -152,6 +152,8 @@ class TickLoop:
       ts = prog.plan.ticks[ti][r][n:n + len(kind.steps)]
       self._tasks.append([dataclasses.replace(t, mb=0) for t in ts])
     self.period = self.table.period
+    # Gradient accumulation proper: each repeat hands its values on directly (`_direct`).
+    self.direct = self.period is not None and self._direct()
     self.pools = Pools.of_stores(self.table.stores)
     self._pool_rows()
     # Tensor parallel's all-reduces sit between a pass's equations: a switch over kinds
@@ -247,8 +249,6 @@ class TickLoop:
     other, with no switch, so that collectives inside tasks (ZeRO 2/3's, tensor
     parallel's) sit in the loop's body."""
     table, p = self.table, self.period
-    if self._direct():
-      return self._run_direct(branches, params, batch, carry)
     flat = lambda a: jnp.asarray(a[:, 0].reshape((-1,) + a.shape[3:]))  # [tick * slot, ...]
     mb, regroup_rows = flat(table.mb), flat(self.regroup_rows)
     read_rows, write_rows = (_columns(a[:, 0].reshape((-1, a.shape[-1])))
@@ -332,6 +332,8 @@ class TickLoop:
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
     # Each value lies flat in its row, [rows, size]: a row's reads and writes are then
     # two-dimensional whatever the value's rank, which XLA compiles into smaller kernels.
+    if self.direct:
+      return self._run_direct(branches, params, batch, LoopCarry([], acc, split_acc, loss))
     stores = self.pools.zeros()
     if self.period is not None:
       return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))

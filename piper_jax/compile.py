@@ -449,10 +449,12 @@ class TrainStep:
     options = ", ".join(f"{f.name}={getattr(self.options, f.name)!r}"
                         for f in dataclasses.fields(self.options))
     loop = self._program.tick_loop
-    lowered = (f"one loop over all ticks: {len(loop.table.kinds)} task kinds, "
+    lowered = ("tick by tick: one microbatch on one rank" if loop is None else
+               f"one loop over microbatches: {len(loop.table.kinds)} task kinds one after the "
+               f"other, each microbatch's values handed on directly" if loop.direct else
+               f"one loop over all ticks: {len(loop.table.kinds)} task kinds, "
                f"{len(loop.table.stores)} value stores of {loop.table.store_bytes / 2**20:.1f} MiB "
-               f"on every device" if loop is not None else
-               "tick by tick: one microbatch on one rank")
+               f"on every device")
     if loop is not None and loop.cuts_at_collectives:
       phases = loop.phases
       lowered += ("; each slot's switch cut at tensor parallel's collectives, which run "

@@ -326,7 +326,7 @@ def test_accumulation_hands_each_microbatchs_values_on_directly(batches_of):
   directives = [pj.split(4), pj.replicate({}, [0, 1]), pj.shard({"EP": "*"}, [0, 1])]
   step, state = assert_same_run(loss, params, directives, batch_size=16, tx=MOE_TX)
   program = step._program
-  assert program.tick_loop._direct()
+  assert program.tick_loop.direct and "values handed on directly" in step.describe()
   n_ep = sum(program.runner.io_local(r.index) for r in program.model.regions)
   import models  # the batches `batches_of` set for this model
   text = step.lower(state, models.random_batch(jax.random.PRNGKey(0), 16)).as_text()
