@@ -69,34 +69,44 @@ def _traced_plan(loss_fn, directives, params, example_batch, n_devices, has_aux=
       lambda x: jax.ShapeDtypeStruct((n,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
       example_batch)
   guess = _guess_microbatch(directives, batch_size)
+  traced_at = {}  # batch size -> the loss traced at it
   if guess is not None and guess < batch_size:
-    traced = trace_loss(loss_fn, params, at(guess), has_aux)
+    traced_at[guess] = trace_loss(loss_fn, params, at(guess), has_aux)
     try:
-      plan = make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
+      plan = make_plan(traced_at[guess].spec, directives, n_devices, global_batch=batch_size)
     except Exception:  # noqa: BLE001 - planned again below, where the error is raised
       plan = None
     if plan is not None and batch_size == guess * plan.mesh.n_data * plan.n_microbatches:
-      return traced, plan
-  traced = trace_loss(loss_fn, params, example_batch, has_aux)
-  placed = place_graph(traced.spec, directives, n_devices)
+      return traced_at[guess], plan
+  else:
+    traced_at[batch_size] = trace_loss(loss_fn, params, example_batch, has_aux)
+  # Placing reads the regions and their tags, which a trace at any batch size gives.
+  first = next(iter(traced_at.values()))
+  placed = place_graph(first.spec, directives, n_devices)
   mbs = batch_size // (placed.mesh.n_data * placed.n_microbatches)
-  if mbs == batch_size:
-    return traced, finish_plan(traced.spec, directives, placed)
-  full = traced
-  traced = trace_loss(loss_fn, params, at(mbs), has_aux)
-  if [r.tags for r in traced.spec.regions] != [r.tags for r in full.spec.regions]:
+  if mbs not in traced_at:
+    traced_at[mbs] = trace_loss(loss_fn, params, at(mbs), has_aux)
+  traced = traced_at[mbs]
+  if [r.tags for r in traced.spec.regions] != [r.tags for r in first.spec.regions]:
     raise ValueError("the model's regions depend on the batch size; annotate regions the "
                      "same way for every batch size")
+  if mbs == batch_size:
+    if traced is not first:
+      placed = place_graph(traced.spec, directives, n_devices)
+    return traced, finish_plan(traced.spec, directives, placed)
   return traced, make_plan(traced.spec, directives, n_devices, global_batch=batch_size)
 
 
 def _guess_microbatch(directives, batch_size: int) -> int | None:
   """The microbatch size the directives suggest: the batch over the microbatches of
   `split` and the data-parallel copies of the widest `replicate` (over its
-  `shard_tensor` group, whose devices share rows); None without microbatches."""
+  `shard_tensor` group, whose devices share rows: those of one replicate group, when a
+  pipeline's shard_tensor lists every stage's); None without microbatches."""
   n_mb = math.prod(d.num_microbatches for d in directives if isinstance(d, Split))
-  copies = max([len(d.devices) for d in directives if isinstance(d, Replicate)] + [1])
-  tp = max([len(d.devices) for d in directives if isinstance(d, ShardTensor)] + [1])
+  groups = [set(d.devices) for d in directives if isinstance(d, Replicate)]
+  copies = max([len(g) for g in groups] + [1])
+  tp = max([max([len(set(d.devices) & g) for g in groups], default=len(d.devices))
+            for d in directives if isinstance(d, ShardTensor)] + [1])
   ways = n_mb * max(copies // tp, 1)
   if ways == 1 or batch_size % ways:
     return None

@@ -513,3 +513,32 @@ def _reduced_in_ticks(step):
   """The all-reduces a step runs inside its ticks (gradient buckets), not at its end."""
   return [c for c in step.collectives()
           if c.kind == "all-reduce" and any(w.startswith("tick ") for w in c.where)]
+
+
+@pytest.mark.parametrize("how", ["tensor-parallel-pipeline", "expert-parallel-pipeline",
+                                 "accumulation", "data-parallel"])
+def test_compile_traces_the_loss_once(monkeypatch, how):
+  # Tracing a large model is most of pj.compile's own time: the microbatch size the
+  # directives imply is guessed before placing them, tensor groups that list every
+  # stage's devices included.
+  import importlib
+  from examples import gpt
+  from models import moe_gpt, tp_gpt
+  compile_module = importlib.import_module("piper_jax.compile")
+  calls = []
+  trace = compile_module.trace_loss
+  monkeypatch.setattr(compile_module, "trace_loss",
+                      lambda *a, **k: calls.append(1) or trace(*a, **k))
+  config, loss, params = (tp_gpt(2) if how.startswith("tensor") else moe_gpt(2))
+  directives = {
+      "tensor-parallel-pipeline": pj.strategies.pipeline(2, 4, "1f1b", dp=4)
+                                  + [pj.shard_tensor({}, [0, 2, 1, 3])],
+      "expert-parallel-pipeline": pj.strategies.pipeline(2, 4, "1f1b", dp=4)
+                                  + [pj.shard({"EP": "*"}, list(range(8)))],
+      "accumulation": [pj.split(4)] + pj.strategies.data_parallel(8),
+      "data-parallel": pj.strategies.data_parallel(8),
+  }[how]
+  batch = gpt.random_batch(config, jax.random.PRNGKey(0), 32)
+  step = pj.compile(loss, optax.sgd(0.1), directives, params, batch)
+  assert len(calls) == 1
+  assert step.plan.n_microbatches * step.plan.mesh.n_data * step._program.mbs == 32
