@@ -409,3 +409,32 @@ def test_accumulation_rows_against_plain_scan():
   for v in ("accum", "accum-1f1b"):
     assert rows[v]["xla_gib"] <= 1.25 * rows["shmap-accum"]["xla_gib"], (v, rows)
   assert "x shmap-accum |" in run.compile_table(list(rows.values()))
+
+
+def test_repeated_compiles_keep_each_variants_fastest(monkeypatch, tmp_path):
+  # --repeat N compiles the variants N times in turn, a process each, and keeps each
+  # variant's least build + XLA with every try's; a variant that failed every try keeps
+  # its error.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  times = {"shmap-dp": iter([3.0, 2.0, 4.0]), "pp-1f1b+ep": iter([5.0, 6.0, 4.5])}
+  order = []
+
+  def child(args, variant, model):
+    order.append(variant)
+    if variant == "pp-1f1b+tp":
+      return {"variant": variant, "model": model, "error": "out of memory"}
+    return {"variant": variant, "model": model, "devices": 8, "build_s": 0.5,
+            "compile_s": next(times[variant]),
+            "xla_gib": 0.1, "collectives_in_conditionals": 0, "branch_copy_mib": 0.0}
+
+  monkeypatch.setattr(run, "_child", child)
+  rows = run.main(["--small", "--compile-only", "--repeat", "3", "--model", "moe", "--variants",
+                   "shmap-dp,pp-1f1b+ep,pp-1f1b+tp", "--out", str(tmp_path / "c.json")])
+  assert order == ["shmap-dp", "pp-1f1b+ep", "pp-1f1b+tp"] * 3
+  dp, ep, tp = rows
+  assert dp["compile_s"] == 2.0 and dp["tries_s"] == [3.5, 2.5, 4.5]
+  assert ep["compile_s"] == 4.5 and ep["tries_s"] == [5.5, 6.5, 5.0]
+  assert tp["error"] == "out of memory"
+  with pytest.raises(ValueError, match="add --compile-only"):
+    run.main(["--small", "--repeat", "2", "--variants", "jit-dp"])
