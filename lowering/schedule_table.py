@@ -59,11 +59,15 @@ class TaskKind:
 
 @dataclasses.dataclass(frozen=True)
 class Store:
-  """A buffer of `depth` rows of one (shape, dtype), and a scratch row at index `depth`."""
+  """A buffer of `depth` rows of one (shape, dtype), and a scratch row at index `depth`.
+  `regrouped`: it holds the values expert parallel's all-to-alls make, apart from those
+  they read: written after a switch from rows of the same buffer, a value regrouped in
+  place made XLA's GPU compiler copy that whole buffer in every branch of the switch."""
 
   shape: tuple[int, ...]
   dtype: str
   depth: int
+  regrouped: bool = False
 
   @property
   def scratch(self) -> int:
@@ -239,18 +243,20 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   sigs: dict[tuple, int] = {}
   reads, produces = _cached(reads), _cached(produces)
 
-  def store_of(key) -> int:
-    return sigs.setdefault(tuple(signature(key)), len(sigs))
-
   groups, first_task = _group_tasks(ticks, reads, produces)
   derived = _regrouped(groups, reads, made_from)
+
+  def store_of(key) -> int:
+    return sigs.setdefault((tuple(signature(key)), key in derived), len(sigs))
+
   kind_list, first, task = _task_kinds(groups, first_task, reads, produces, store_of,
                                        set(derived.values()))
   n_slots = max([g[2] + 1 for g in groups] + [1])
   lives, used, sends, regroups = _value_lives(task, n_slots, store_of, derived)
   depth = _assign_rows(lives, used, n_ranks, len(sigs))
   sig_list = sorted(sigs, key=sigs.get)
-  stores = tuple(Store(tuple(shape), str(dt), depth[j]) for j, (shape, dt) in enumerate(sig_list))
+  stores = tuple(Store(tuple(shape), str(dt), depth[j], regrouped)
+                 for j, ((shape, dt), regrouped) in enumerate(sig_list))
 
   def row(key, rank) -> int:
     life = lives.get((key, rank))

@@ -99,7 +99,8 @@ def _columns(rows: np.ndarray) -> list:
 @dataclasses.dataclass(frozen=True)
 class Pools:
   """The buffers the table's stores live in: stores whose values have one size and
-  dtype share a buffer, each its own rows in it, and one scratch row for all (the last).
+  dtype share a buffer (those all-to-alls make apart from the others: `Store.regrouped`),
+  each its own rows in it, and one scratch row for all (the last).
   XLA compiles a kernel per buffer shape for its zero fill and its row writes, so fewer
   buffers compile faster; a value's rows hold it flat whatever its shape.
 
@@ -118,7 +119,7 @@ class Pools:
     index: dict[tuple, int] = {}
     of, offset, rows, size, dtype = [], [], [], [], []
     for st in stores:
-      b = index.setdefault((st.size, st.dtype), len(index))
+      b = index.setdefault((st.size, st.dtype, st.regrouped), len(index))
       if b == len(rows):
         rows.append(1)
         size.append(st.size)

@@ -271,6 +271,12 @@ def test_an_expert_parallel_pipelines_all_to_alls_run_outside_its_conditionals(
   hlo = step.lower(step.init(params), batch).compile().as_text()
   assert collectives_in_conditionals(hlo) == []
   assert re.search(r"\ball-to-all(-start)?\(", hlo)
+  # What an all-to-all makes lies in a buffer apart from what it reads: regrouped in
+  # place, a buffer was copied whole in every branch of the switch on GPUs.
+  table, pools = step.schedule_table, step._program.tick_loop.pools
+  assert table.regroups and all(
+      table.stores[g.target].regrouped and not table.stores[g.source].regrouped
+      and pools.of[g.source] != pools.of[g.target] for g in table.regroups)
 
 
 @pytest.mark.parametrize("how", ["1f1b-dp2-tp2", "zb-dp2-tp2", "stages-sharing-dp2-tp2",
