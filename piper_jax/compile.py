@@ -105,7 +105,7 @@ def _guess_microbatch(directives, batch_size: int) -> int | None:
   n_mb = math.prod(d.num_microbatches for d in directives if isinstance(d, Split))
   groups = [set(d.devices) for d in directives if isinstance(d, Replicate)]
   copies = max([len(g) for g in groups] + [1])
-  tp = max([max([len(set(d.devices) & g) for g in groups], default=len(d.devices))
+  tp = max([max([len(set(d.devices) & g) for g in groups], default=0) or len(d.devices)
             for d in directives if isinstance(d, ShardTensor)] + [1])
   ways = n_mb * max(copies // tp, 1)
   if ways == 1 or batch_size % ways:
