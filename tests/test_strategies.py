@@ -542,3 +542,14 @@ def test_compile_traces_the_loss_once(monkeypatch, how):
   step = pj.compile(loss, optax.sgd(0.1), directives, params, batch)
   assert len(calls) == 1
   assert step.plan.n_microbatches * step.plan.mesh.n_data * step._program.mbs == 32
+
+
+def test_the_guessed_microbatch_counts_a_tensor_group_within_one_replica_group():
+  import importlib
+  guess = importlib.import_module("piper_jax.compile")._guess_microbatch
+  stages = [pj.replicate({"PP": s}, [s, s + 2, s + 4, s + 6]) for s in range(2)]
+  # TP2 inside each stage's 4 devices: 2 data-parallel copies, 4 microbatches.
+  assert guess([pj.split(4)] + stages + [pj.shard_tensor({}, [0, 2, 1, 3])], 64) == 8
+  # A tensor group outside every replicate group counts its own devices.
+  assert guess([pj.split(2), pj.replicate({}, [0, 1]), pj.shard_tensor({}, [2, 3])], 16) == 8
+  assert guess(pj.strategies.data_parallel(4), 16) == 4
