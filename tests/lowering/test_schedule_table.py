@@ -284,11 +284,15 @@ def test_regrouped_values_are_made_after_the_slot_that_makes_their_source(ticks)
   table = build_table(ticks, ep_reads, ep_produces, ep_signature, ep_made_from)
   execute(table, ticks, ep_reads, ep_produces, ep_made_from)
   # Both directions: into region 1's layout after the slot that made its input, and
-  # back after its own slot; at most one of each a slot.
-  local = table.stores.index(next(s for s in table.stores if s.shape == (2, 2)))
-  plain = table.stores.index(next(s for s in table.stores if s.shape == (4,)))
+  # back after its own slot; at most one of each a slot. What a regroup makes lies in a
+  # store of its own (`Store.regrouped`), apart from the values of its shape it reads.
+  def store(shape, regrouped):
+    return next(j for j, s in enumerate(table.stores)
+                if s.shape == shape and s.regrouped == regrouped)
+
+  local, plain = (2, 2), (4,)
   assert sorted((g.source, g.target) for g in table.regroups) == sorted(
-      [(plain, local), (local, plain)])
+      [(store(plain, False), store(local, True)), (store(local, False), store(plain, True))])
   assert all(g.level == 0 for g in table.regroups)
   # No kind runs region 1 together with another region: the collectives sit between.
   assert all(all(r != EP for r, _ in k.steps) or {r for r, _ in k.steps} == {EP}
