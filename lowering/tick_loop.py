@@ -296,10 +296,10 @@ class TickLoop:
 
     def repeat(i, c: LoopCarry) -> LoopCarry:
       made: dict = {}
-      ops = _operands(c, params, batch, _at(mbs, i), [], [])
+      mb = _at(mbs, i)
       for code in seq[:p]:
         if code:
-          c = branches[code](dict(ops, acc=c.acc, split_acc=c.split_acc, loss=c.loss), made)
+          c = branches[code](_operands(c, params, batch, mb, [], []), made)
       return c
 
     return lax.fori_loop(0, len(seq) // p, repeat, carry)
