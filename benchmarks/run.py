@@ -63,7 +63,9 @@ step: baseline step x makespan / work per rank (`sim_tick_ms` tick by tick); wit
 `--compile-only` builds each variant on shapes and compiles it without running it:
 `build_s` (`pj.compile`), `compile_s` (XLA) and `xla_gib`. With `--mock-gpus N`, JAX's
 mock GPU topology makes this process see N GPUs of N processes, so one GPU compiles the
-program one of N runs, autotuning locally.
+program one of N runs, autotuning locally. `--build-only` times `pj.compile`'s build
+alone (`build_s`: tracing, planning, region analysis), each in a fresh process as a user's
+first build runs; with `--repeat N`, the fastest of N.
 """
 
 from __future__ import annotations
@@ -604,10 +606,10 @@ def mock_gpus(n: int) -> None:
 
 def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp: int = 2,
                     zero: int = 0, attention: str | None = None, seq_len: int = 0,
-                    layers: int = 0) -> dict:
+                    layers: int = 0, build_only: bool = False) -> dict:
   """One variant built on shapes and compiled, not run: its row, with `pj.compile`'s
   build (`build_s`), XLA's compile (`compile_s`) and XLA's count of the program's memory
-  per device (`xla_gib`, and its parts under "memory")."""
+  per device (`xla_gib`, and its parts under "memory"); `build_only`: the build alone."""
   import jax
   import optax
 
@@ -643,6 +645,8 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
     step = pj.compile(loss_fn, tx, directives, params, example, options=lowering_options(mods))
     row["build_s"] = time.perf_counter() - t0
     row["microbatches"] = step.plan.n_microbatches
+    if build_only:
+      return {**row, "compile_s": 0.0}
     t0 = time.perf_counter()
     compiled = step.compile()
   row["compile_s"] = time.perf_counter() - t0
@@ -667,6 +671,7 @@ def _child(args, variant, model):
   cmd += ["--attention", args.attention] if args.attention else []
   cmd += ["--calibrate", args.calibrate] if args.calibrate else []
   cmd += ["--compile-only"] if args.compile_only else []
+  cmd += ["--build-only"] if args.build_only else []
   cmd += ["--mock-gpus", str(args.mock_gpus)] if args.mock_gpus else []
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   if "xla" in split_variant(variant)[1]:  # process-wide XLA options, such as the allocator
@@ -767,6 +772,20 @@ def compile_table(rows, baseline_of=BASELINE_OF) -> str:
   return "\n".join(lines)
 
 
+def build_table(rows) -> str:
+  """A markdown table of `--build-only` rows: `pj.compile`'s build, the fastest try and
+  every try's."""
+  lines = ["| model | variant | devices | batch / mb | build s | tries s |", "|" + "---|" * 6]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['model']} | {r['variant']} | | | {r['error']} | |")
+      continue
+    tries = " / ".join(f"{t:.2f}" for t in r.get("tries_s", [r["build_s"]]))
+    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | "
+                 f"{r['batch']} / {r['microbatches']} | {r['build_s']:.2f} | {tries} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default="268m,1.3b",
@@ -809,14 +828,24 @@ def main(argv=None):
                   help="with --compile-only: compile the variants N times, in turn, a process "
                        "each, and keep each variant's fastest build + XLA (on a machine whose "
                        "times drift, ratios of the fastest compare)")
+  ap.add_argument("--build-only", action="store_true",
+                  help="time pj.compile's build of each variant (tracing, planning, region "
+                       "analysis) on shapes, without XLA's compile: a fresh process each")
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  if args.mock_gpus and not args.compile_only:
+  if args.mock_gpus and not (args.compile_only or args.build_only):
     raise ValueError("--mock-gpus compiles for GPUs this machine does not have: "
-                     "add --compile-only")
-  if args.repeat > 1 and not args.compile_only:
-    raise ValueError("--repeat compiles each variant again: add --compile-only")
+                     "add --compile-only (or --build-only)")
+  if args.repeat > 1 and not (args.compile_only or args.build_only):
+    raise ValueError("--repeat compiles each variant again: add --compile-only (or --build-only)")
+  if args.build_only:
+    variants = [args.child] if args.child else args.variants.split(",")
+    baselines = [v for v in variants if split_variant(v)[0] in BASELINES]
+    if baselines:
+      raise ValueError(f"--build-only times pj.compile, and {', '.join(baselines)} is plain "
+                       "JAX with nothing to build: leave it out")
+    args.compile_only = True
   if args.compile_only and args.max_batch:
     raise ValueError("--max-batch finds the batch that runs out of memory running: "
                      "drop --compile-only")
@@ -850,7 +879,7 @@ def main(argv=None):
     mock_gpus(args.mock_gpus)
   if args.child and args.compile_only:
     row = compile_variant(args.child, args.model, args.batch, args.microbatches, args.pp,
-                          args.zero, args.attention, args.seq_len, args.layers)
+                          args.zero, args.attention, args.seq_len, args.layers, args.build_only)
     print("ROW " + json.dumps(row), flush=True)
     return row
   if args.child:
@@ -869,6 +898,10 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
   rows = [fastest(rs) for rs in tries.values()]
   import jax
+  if args.build_only:
+    write_results(args, rows, "build", jax=jax.__version__, mock_gpus=args.mock_gpus)
+    print(build_table(rows))
+    return rows
   if args.compile_only:
     write_results(args, rows, "compile", jax=jax.__version__, mock_gpus=args.mock_gpus)
     print(compile_table(rows))

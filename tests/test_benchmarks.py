@@ -391,6 +391,23 @@ def test_compile_only_counts_memory_without_running():
     run.main(["--small", "--mock-gpus", "4", "--variants", "jit-dp"])
 
 
+@pytest.mark.timeout(120)
+def test_build_only_times_the_build_alone():
+  # run.py --build-only times pj.compile's build (a fresh process each, the fastest of
+  # --repeat), with no XLA compile; plain-JAX baselines have nothing to build.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  row = run.compile_variant("pp-1f1b", "tiny", batch=32, microbatches=4, pp=2, build_only=True)
+  assert row["build_s"] > 0 and row["compile_s"] == 0 and "xla_gib" not in row
+  assert row["microbatches"] == 4 and row["devices"] == 8
+  row["tries_s"] = [row["build_s"] + 0.5, row["build_s"]]
+  text = run.build_table([row, {"variant": "pp-zb", "model": "tiny", "error": "out of memory"}])
+  assert f"| tiny | pp-1f1b | 8 | 32 / 4 | {row['build_s']:.2f} |" in text
+  assert "| tiny | pp-zb | | | out of memory | |" in text
+  with pytest.raises(ValueError, match="nothing to build"):
+    run.main(["--small", "--build-only", "--variants", "shmap-dp,pp-1f1b"])
+
+
 def test_accumulation_rows_against_plain_scan():
   # run.py's `accum` is piper-jax's gradient accumulation on every device, `accum-1f1b`
   # the same with the model's two stages sharing each device; both against `shmap-accum`
