@@ -845,10 +845,10 @@ def main(argv=None):
     if baselines:
       raise ValueError(f"--build-only times pj.compile, and {', '.join(baselines)} is plain "
                        "JAX with nothing to build: leave it out")
-    args.compile_only = True
-  if args.compile_only and args.max_batch:
+  if (args.compile_only or args.build_only) and args.max_batch:
     raise ValueError("--max-batch finds the batch that runs out of memory running: "
-                     "drop --compile-only")
+                     "drop --compile-only (or --build-only)")
+  args.compile_only = args.compile_only or args.build_only
   if args.small:
     model = ("qwen3-moe-tiny" if args.model.startswith("qwen3") and is_moe(args.model)
              else "qwen3-tiny" if args.model.startswith("qwen3")

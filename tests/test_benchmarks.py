@@ -406,6 +406,8 @@ def test_build_only_times_the_build_alone():
   assert "| tiny | pp-zb | | | out of memory | |" in text
   with pytest.raises(ValueError, match="nothing to build"):
     run.main(["--small", "--build-only", "--variants", "shmap-dp,pp-1f1b"])
+  with pytest.raises(ValueError, match="drop --compile-only \\(or --build-only\\)"):
+    run.main(["--small", "--build-only", "--max-batch", "64", "--variants", "pp-1f1b"])
 
 
 def test_accumulation_rows_against_plain_scan():
