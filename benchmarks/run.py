@@ -834,10 +834,11 @@ def main(argv=None):
   ap.add_argument("--out", default=None, help="JSON output path")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  if args.mock_gpus and not (args.compile_only or args.build_only):
+  args.compile_only = args.compile_only or args.build_only  # a build is the first half of one
+  if args.mock_gpus and not args.compile_only:
     raise ValueError("--mock-gpus compiles for GPUs this machine does not have: "
                      "add --compile-only (or --build-only)")
-  if args.repeat > 1 and not (args.compile_only or args.build_only):
+  if args.repeat > 1 and not args.compile_only:
     raise ValueError("--repeat compiles each variant again: add --compile-only (or --build-only)")
   if args.build_only:
     variants = [args.child] if args.child else args.variants.split(",")
@@ -845,10 +846,9 @@ def main(argv=None):
     if baselines:
       raise ValueError(f"--build-only times pj.compile, and {', '.join(baselines)} is plain "
                        "JAX with nothing to build: leave it out")
-  if (args.compile_only or args.build_only) and args.max_batch:
+  if args.compile_only and args.max_batch:
     raise ValueError("--max-batch finds the batch that runs out of memory running: "
                      "drop --compile-only (or --build-only)")
-  args.compile_only = args.compile_only or args.build_only
   if args.small:
     model = ("qwen3-moe-tiny" if args.model.startswith("qwen3") and is_moe(args.model)
              else "qwen3-tiny" if args.model.startswith("qwen3")
