@@ -840,12 +840,6 @@ def main(argv=None):
                      "add --compile-only (or --build-only)")
   if args.repeat > 1 and not args.compile_only:
     raise ValueError("--repeat compiles each variant again: add --compile-only (or --build-only)")
-  if args.build_only:
-    variants = [args.child] if args.child else args.variants.split(",")
-    baselines = [v for v in variants if split_variant(v)[0] in BASELINES]
-    if baselines:
-      raise ValueError(f"--build-only times pj.compile, and {', '.join(baselines)} is plain "
-                       "JAX with nothing to build: leave it out")
   if args.compile_only and args.max_batch:
     raise ValueError("--max-batch finds the batch that runs out of memory running: "
                      "drop --compile-only (or --build-only)")
@@ -865,6 +859,9 @@ def main(argv=None):
     if {m for m in mods if not any(p.fullmatch(m) for p in patterns)} - set(_SUFFIXES):
       raise ValueError(f"unknown suffix in {v!r}: use +rK, +L<blocks>-<blocks>..., +slotN and "
                        + ", ".join("+" + m for m in _SUFFIXES))
+    if base in BASELINES and args.build_only and not args.child:  # a child is one variant
+      raise ValueError(f"--build-only times pj.compile, and {v} is plain JAX with nothing to "
+                       "build: leave it out")
     if base in BASELINES and set(mods) - {"bf16", "mask", "xla", "ac"}:
       raise ValueError(f"{v!r}: the plain-JAX baselines take only +bf16, +mask, +ac and +xla")
     if {"remat", "noremat"} <= set(mods):
