@@ -61,7 +61,9 @@ step: baseline step x makespan / work per rank (`sim_tick_ms` tick by tick); wit
 `--calibrate CACHE`, from the regions timed on the first device (`sim_timed_ms`).
 
 `--compile-only` builds each variant on shapes and compiles it without running it:
-`build_s` (`pj.compile`), `compile_s` (XLA) and `xla_gib`. With `--mock-gpus N`, JAX's
+`build_s` (`pj.compile`), `compile_s` (XLA), `xla_gib` and `kernels`, the distinct
+kernels XLA made (its CPU compiler compiles each on its own, so this count is what its
+compile time follows, without the time's drift). With `--mock-gpus N`, JAX's
 mock GPU topology makes this process see N GPUs of N processes, so one GPU compiles the
 program one of N runs, autotuning locally. `--build-only` times `pj.compile`'s build
 alone (`build_s`: tracing, planning, region analysis), each in a fresh process as a user's
@@ -615,7 +617,7 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
 
   import piper_jax as pj
   from examples import gpt
-  from piper_jax.lowering import collectives_in_conditionals, copies_in_branches
+  from piper_jax.lowering import collectives_in_conditionals, copies_in_branches, distinct_kernels
   from piper_jax.memory import CompiledMemory
 
   devices = jax.devices()
@@ -656,6 +658,8 @@ def compile_variant(variant: str, model: str, batch: int, microbatches: int, pp:
   row["collectives_in_conditionals"] = len(collectives_in_conditionals(text))
   # What XLA copies each time a switch branch runs (the most of any branch).
   row["branch_copy_mib"] = max((b for c in copies_in_branches(text) for b in c), default=0) / 2**20
+  # XLA's CPU compiler compiles each distinct kernel on its own: a count that does not drift.
+  row["kernels"] = distinct_kernels(text)
   row["xla_gib"] = mem.total / 2**30
   row["memory"] = {k: getattr(mem, k) for k in ("arguments", "outputs", "aliased", "temporaries")}
   return row
@@ -755,19 +759,19 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
 def compile_table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of `--compile-only` rows; the ratio is build + XLA seconds over the
   baseline's."""
-  lines = ["| model | variant | devices | build s | XLA s | vs baseline | XLA GiB "
-           "| collectives in conditionals | MiB copied in a branch |", "|" + "---|" * 9]
+  lines = ["| model | variant | devices | build s | XLA s | vs baseline | XLA GiB | kernels "
+           "| collectives in conditionals | MiB copied in a branch |", "|" + "---|" * 10]
   base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | | | | |")
       continue
     name, b = baseline_row(base, r["variant"], r["model"], baseline_of)
     total = lambda x: x["build_s"] + x["compile_s"]
     ratio = f"{total(r) / total(b):.2f}x {name}" if b else "-"
     copied = f"{r['branch_copy_mib']:.1f}" if "branch_copy_mib" in r else "-"
     lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['build_s']:.1f} | "
-                 f"{r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} | "
+                 f"{r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} | {r.get('kernels', '-')} | "
                  f"{r.get('collectives_in_conditionals', '-')} | {copied} |")
   return "\n".join(lines)
 

@@ -5,10 +5,10 @@ names only, so that its modules can move without touching them.
 """
 
 from piper_jax.lowering.buffers import Buffers
-from piper_jax.lowering.collectives import (StepCollective, collectives_in_conditionals,
-                                            collectives_table, copies_in_branches,
-                                            step_collectives)
+from piper_jax.lowering.collectives import StepCollective, collectives_table, step_collectives
 from piper_jax.lowering.compat import shard_map_unchecked
+from piper_jax.lowering.compiled import (collectives_in_conditionals, copies_in_branches,
+                                         distinct_kernels)
 from piper_jax.lowering.layout import ParamLayout
 from piper_jax.lowering.local import RegionRunner, SplitAxis
 from piper_jax.lowering.optimizer import packed_update_reason
@@ -24,6 +24,6 @@ __all__ = [
     "Buffers", "LoweringOptions", "ParamLayout", "Program", "ScheduleTable", "TracedLoss",
     "trace_loss", "check_leaf", "lowers_as_loop", "RegionRunner", "SplitAxis", "analyze_region", "region_forward",
     "region_backward", "backward_input", "full_residuals", "split_backward", "StepCollective",
-    "collectives_table", "collectives_in_conditionals", "copies_in_branches", "step_collectives", "packed_update_reason", "shard_map_unchecked",
+    "collectives_table", "collectives_in_conditionals", "copies_in_branches", "distinct_kernels", "step_collectives", "packed_update_reason", "shard_map_unchecked",
     "RESERVED", "enter_scope", "parse_scope", "reset_counters",
 ]

@@ -7,23 +7,20 @@ starts, a pipeline's exchanges as rounds of `ppermute`. This module reads what i
 decided from the jaxpr of the step itself, so the report cannot drift from the
 program: every collective equation, how many times a step runs it (loops with a
 static trip count multiply it), and where (the `jax.named_scope`s the lowering
-opens: the tick, the loop, the step's start or end). `collectives_in_conditionals`
-reads the compiled program's text: on GPUs a conditional that holds one runs from the
-host, outside CUDA graphs.
+opens: the tick, the loop, the step's start or end). What XLA compiled of it is read
+in `lowering/compiled.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from typing import Iterator
 
 import numpy as np
 
 from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, name_stack
 
-__all__ = ["StepCollective", "step_collectives", "collectives_table", "collectives_in_conditionals"]
+__all__ = ["StepCollective", "step_collectives", "collectives_table"]
 
 # Primitive names (jax 0.10-0.12) -> what the report calls them.
 KINDS = {
@@ -125,63 +122,3 @@ def collectives_table(collectives: list[StepCollective]) -> str:
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   fmt = lambda r: " | ".join(x.ljust(w) for x, w in zip(r, widths))
   return "\n".join([fmt(rows[0]), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]])
-
-
-_HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                    "collective-permute")
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-  """The compiled program's computations by name: their instruction lines."""
-  comps: dict[str, list[str]] = {}
-  cur = None
-  for line in hlo.splitlines():
-    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-    if m:
-      cur = comps.setdefault(m.group(1), [])
-    elif cur is not None:
-      cur.append(line)
-  return comps
-
-
-def _branches(comps: dict[str, list[str]]) -> list[list[str]]:
-  """Each conditional's branch computations, by name."""
-  return [re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1])
-          for lines in comps.values() for line in lines if " conditional(" in line]
-
-
-def _array_bytes(shape: str) -> int:
-  """Bytes of an HLO array shape such as `f32[14,524288]` (`pred` a byte; sub-byte
-  types packed)."""
-  m = re.match(r"([a-z]+)(\d*)\w*\[([\d,]*)\]", shape)
-  bits = int(m.group(2)) if m.group(2) else 8
-  return (bits * math.prod(int(d) for d in m.group(3).split(",") if d) + 7) // 8
-
-
-def copies_in_branches(hlo: str) -> list[list[int]]:
-  """Per conditional of the compiled program, per branch, the bytes its own `copy`
-  instructions write: what XLA copies each time that branch runs (the stores a branch
-  passes through where XLA could not keep them in place)."""
-  comps = _computations(hlo)
-  return [[sum(_array_bytes(m.group(1)) for line in comps.get(b, [])
-               for m in [re.search(r"= (\w+\[[\d,]*\])\S* copy\(", line)] if m)
-           for b in branches] for branches in _branches(comps)]
-
-
-def collectives_in_conditionals(hlo: str) -> list[str]:
-  """The collectives the compiled program runs inside a conditional's branches
-  (following the computations they call), by HLO opcode."""
-  comps = _computations(hlo)
-  called = lambda line: re.findall(r"%([\w.\-]+)", " ".join(re.findall(
-      r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
-  found, seen = [], set()
-  todo = [c for branches in _branches(comps) for c in branches]
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      found += [op for op in _HLO_COLLECTIVES if re.search(rf"\b{op}(-start)?\(", line)]
-      todo += called(line)
-  return found

@@ -375,7 +375,7 @@ def test_compile_only_counts_memory_without_running():
           for v in ("jit-dp", "pp-1f1b@z1", "pp-1f1b+tp")]
   for r in rows:
     assert r["compile_s"] > 0 and r["xla_gib"] > 0 and r["devices"] == 8
-    assert r["collectives_in_conditionals"] == 0
+    assert r["collectives_in_conditionals"] == 0 and r["kernels"] > 0
   # +tp: each rank's first two data-parallel devices split the attention and MLP.
   assert run.build("pp-1f1b+tp", "tiny", 8, 4, pp=2)[2][-1].devices == (0, 2, 1, 3)
   assert rows[0]["build_s"] == 0 and rows[1]["build_s"] > 0 and rows[1]["microbatches"] == 4
@@ -386,7 +386,7 @@ def test_compile_only_counts_memory_without_running():
   assert rows[0]["branch_copy_mib"] == 0 and all(r["branch_copy_mib"] >= 0 for r in rows)
   text = run.compile_table(rows)
   assert "| tiny | pp-1f1b@z1 | 8 |" in text and "x jit-dp |" in text and "| 0 |" in text
-  assert "| MiB copied in a branch |" in text
+  assert "| MiB copied in a branch |" in text and "| kernels |" in text
   with pytest.raises(ValueError, match="add --compile-only"):
     run.main(["--small", "--mock-gpus", "4", "--variants", "jit-dp"])
 

@@ -11,7 +11,7 @@ import pytest
 
 import piper_jax as pj
 from models import assert_same_run, init_mlp, mlp_loss, moe_gpt, random_batch, tp_gpt
-from piper_jax.lowering import collectives_in_conditionals, copies_in_branches
+from piper_jax.lowering import collectives_in_conditionals, copies_in_branches, distinct_kernels
 from piper_jax.lowering.tick_loop import Pools
 
 pytestmark = pytest.mark.timeout(300)
@@ -88,6 +88,28 @@ ENTRY %main (i: s32[], x: (f32[4,8], pred[2])) -> (f32[4,8], pred[2]) {
 """
   assert copies_in_branches(hlo) == [[4 * 8 * 4 + 2, 0]]
   assert collectives_in_conditionals(hlo) == []
+
+
+def test_distinct_kernels_counts_fusions_alike_once():
+  # Two fusions whose computations differ only in names and source information are one
+  # kernel; another slice offset makes another.
+  fused = lambda name, lo, hi: f"""
+%{name} (p.{name}: f32[64]) -> f32[8] {{
+  %p.{name} = f32[64]{{0}} parameter(0)
+  %s.{name} = f32[8]{{0}} slice(%p.{name}), slice={{[{lo}:{hi}]}}, metadata={{op_name="{name}"}}
+  ROOT %e.{name} = f32[8]{{0}} exponential(%s.{name})
+}}
+"""
+  hlo = fused("a", 0, 8) + fused("b", 0, 8) + fused("c", 8, 16) + """
+ENTRY %main (x: f32[64]) -> (f32[8], f32[8], f32[8]) {
+  %x = f32[64]{0} parameter(0)
+  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%a
+  %f2 = f32[8]{0} fusion(%x), kind=kLoop, calls=%b
+  %f3 = f32[8]{0} fusion(%x), kind=kLoop, calls=%c
+  ROOT %t = (f32[8]{0}, f32[8]{0}, f32[8]{0}) tuple(%f1, %f2, %f3)
+}
+"""
+  assert distinct_kernels(hlo) == 2
 
 
 def test_tick_loop_expert_parallel_x_pipeline(batches_of):
