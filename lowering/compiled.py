@@ -37,6 +37,13 @@ def _branches(comps: dict[str, list[str]]) -> list[list[str]]:
           for lines in comps.values() for line in lines if " conditional(" in line]
 
 
+def _called(line: str) -> list[str]:
+  """The computations an instruction line calls (fused computations, reducers, branches,
+  loop bodies and conditions), by name."""
+  return re.findall(r"%([\w.\-]+)", " ".join(re.findall(
+      r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
+
+
 def _array_bytes(shape: str) -> int:
   """Bytes of an HLO array shape such as `f32[14,524288]` (`pred` a byte; sub-byte
   types packed)."""
@@ -59,8 +66,6 @@ def collectives_in_conditionals(hlo: str) -> list[str]:
   """The collectives the compiled program runs inside a conditional's branches
   (following the computations they call), by HLO opcode."""
   comps = _computations(hlo)
-  called = lambda line: re.findall(r"%([\w.\-]+)", " ".join(re.findall(
-      r"(?:calls|to_apply|branch_computations|body|condition)=\{?([^}]*)\}?", line)))
   found, seen = [], set()
   todo = [c for branches in _branches(comps) for c in branches]
   while todo:
@@ -70,26 +75,27 @@ def collectives_in_conditionals(hlo: str) -> list[str]:
     seen.add(name)
     for line in comps[name]:
       found += [op for op in _HLO_COLLECTIVES if re.search(rf"\b{op}(-start)?\(", line)]
-      todo += called(line)
+      todo += _called(line)
   return found
 
 
 def distinct_kernels(hlo: str) -> int:
   """How many distinct kernels the compiled program's fusions make: fused computations
   compared up to the names of their values and computations and their source
-  information (those XLA compiles once however often they run)."""
+  information, with the computations they call (a reducer's) compared likewise (those
+  XLA compiles once however often they run)."""
   comps = _computations(hlo)
 
   def canon(name: str, seen: tuple = ()) -> str:
     lines = []
     for line in comps.get(name, []):
       line = re.sub(r",? metadata=\{[^}]*\}", "", line)
-      called = re.findall(r"calls=%([\w.\-]+)", line)
+      called = _called(line)
       line = re.sub(r"%[\w.\-]+", "%", line).strip()
       lines.append(line + "".join("{" + canon(c, seen + (name,)) + "}"
                                   for c in called if c not in seen))
     return "\n".join(lines)
 
   fused = {c for lines in comps.values() for line in lines if " fusion(" in line
-           for c in re.findall(r"calls=%([\w.\-]+)", line)}
+           for c in _called(line)}
   return len({canon(c) for c in fused})

@@ -110,6 +110,32 @@ ENTRY %main (x: f32[64]) -> (f32[8], f32[8], f32[8]) {
 }
 """
   assert distinct_kernels(hlo) == 2
+  # Fusions alike but for the reducer they call (add against max) are two kernels.
+  reducer = lambda name, op: f"""
+%{name} (x.{name}: f32[], y.{name}: f32[]) -> f32[] {{
+  %x.{name} = f32[] parameter(0)
+  %y.{name} = f32[] parameter(1)
+  ROOT %r.{name} = f32[] {op}(%x.{name}, %y.{name})
+}}
+"""
+  reduced = lambda name, to: f"""
+%{name} (p.{name}: f32[64]) -> f32[] {{
+  %p.{name} = f32[64]{{0}} parameter(0)
+  %z.{name} = f32[] constant(0)
+  ROOT %s.{name} = f32[] reduce(%p.{name}, %z.{name}), dimensions={{0}}, to_apply=%{to}
+}}
+"""
+  hlo = (reducer("add1", "add") + reducer("add2", "add") + reducer("max1", "maximum")
+         + reduced("ra", "add1") + reduced("rb", "add2") + reduced("rc", "max1") + """
+ENTRY %main (x: f32[64]) -> (f32[], f32[], f32[]) {
+  %x = f32[64]{0} parameter(0)
+  %f1 = f32[] fusion(%x), kind=kInput, calls=%ra
+  %f2 = f32[] fusion(%x), kind=kInput, calls=%rb
+  %f3 = f32[] fusion(%x), kind=kInput, calls=%rc
+  ROOT %t = (f32[], f32[], f32[]) tuple(%f1, %f2, %f3)
+}
+""")
+  assert distinct_kernels(hlo) == 2
 
 
 def test_tick_loop_expert_parallel_x_pipeline(batches_of):
