@@ -610,7 +610,7 @@ class Program:
 
   def param_reader(self, ops: dict, gathered: bool):
     """`param(p)`: parameter leaf p from a switch's operands ("params", "cast", "split",
-    "leaves"); `gathered`: "params" and "cast" hold ZeRO-3's gathered whole segments."""
+    "leaves", and "offsets" where weights are sliced at offsets XLA cannot fold); `gathered`: "params" and "cast" hold ZeRO-3's gathered whole segments."""
     layout = self.layout
     seg_cache = {}
 
@@ -621,6 +621,14 @@ class Program:
                                        else layout.local_segment(src, slot, dt))
       return seg_cache[(slot, dt, cast)]
 
+    offsets = ops.get("offsets")  # the loop's (`tick_loop._offsets`)
+
+    def leaf(seg, h):
+      if offsets is None:
+        return layout.leaf(seg, h)
+      return lax.dynamic_slice(seg, (offsets[h.offset],), (h.size,),
+                               allow_negative_indices=False).reshape(h.shape)
+
     def param(p):
       if p in layout.split:
         return layout.local_piece(ops["split"], p)
@@ -628,8 +636,8 @@ class Program:
       if p in layout.unpacked_pos:  # (and the model's own cast turns it back)
         return layout.unpacked_leaf(ops["leaves"], p).astype(h.dtype)
       if p in layout.cast:  # the model's own cast of this turns it back into the cast copy
-        return layout.leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
-      return layout.leaf(segment(h.slot, h.dtype, False), h)
+        return leaf(segment(h.slot, h.dtype, True), h).astype(h.dtype)
+      return leaf(segment(h.slot, h.dtype, False), h)
 
     return param
 
