@@ -80,10 +80,10 @@ def _written(stores: list, values) -> list:
 
 
 def _operands(c: LoopCarry, params, batch: list, mb, read_rows: list, write_rows: list,
-              offsets: dict) -> dict:
+              offsets: dict | None) -> dict:
   """A branch's operands: the carry, the step's weights and batch, the slot's
-  microbatch and store rows, each row its own scalar operand (`_columns`), and the
-  weights' offsets in their segments (`_offsets`)."""
+  microbatch and store rows, each row its own scalar operand (`_columns`), and in a
+  switch the weights' offsets in their segments (`_offsets`)."""
   return {"stores": c.stores, "acc": c.acc, "split_acc": c.split_acc, "loss": c.loss,
           "params": params, "batch": batch, "mb": mb, "read_rows": read_rows,
           "write_rows": write_rows, "offsets": offsets}
@@ -93,7 +93,10 @@ def _offsets(layout) -> dict:
   """Each offset at which a parameter leaf lies in its segment -> that offset as a
   scalar XLA cannot fold: a branch slices its weights at these, so that regions which
   trace alike (a stage's blocks, whose weights lie at other offsets of one slot) make
-  identical kernels, compiled once, as `_columns` does for store rows."""
+  identical kernels, compiled once, as `_columns` does for store rows. Only where
+  slots switch: without a switch (gradient accumulation) a region's blocks share their
+  kernels at static offsets too, and XLA's CPU program copied the weights it sliced at
+  dynamic ones (1.4x plain `lax.scan`'s memory over 8 CPU devices)."""
   offsets = sorted({h.offset for h in layout.home})
   return dict(zip(offsets, lax.optimization_barrier([jnp.int32(o) for o in offsets])))
 
@@ -256,8 +259,7 @@ class TickLoop:
   def _idle(self, ops):
     return LoopCarry(ops["stores"], ops["acc"], ops["split_acc"], ops["loss"])
 
-  def _run_straight(self, branches, params, batch, offsets: dict, carry: LoopCarry
-                    ) -> LoopCarry:
+  def _run_straight(self, branches, params, batch, carry: LoopCarry) -> LoopCarry:
     """One rank whose slots repeat a short sequence of kinds (gradient accumulation):
     a loop over the repeats whose body runs that sequence's branches one after the
     other, with no switch, so that collectives inside tasks (ZeRO 2/3's, tensor
@@ -275,7 +277,7 @@ class TickLoop:
         if code:
           c = branches[code](_operands(c, params, batch, _at(mb, f),
                                        [_at(a, f) for a in read_rows],
-                                       [_at(a, f) for a in write_rows], offsets))
+                                       [_at(a, f) for a in write_rows], None))
         c = self._regroup(c, _at(regroup_rows, f))
       return c
 
@@ -299,8 +301,7 @@ class TickLoop:
         made.update(prog.task_produces(t))
     return True
 
-  def _run_direct(self, branches, params, batch, offsets: dict, carry: LoopCarry
-                  ) -> LoopCarry:
+  def _run_direct(self, branches, params, batch, carry: LoopCarry) -> LoopCarry:
     """The straight loop whose repeats hold their own values (`_direct`): one repeat
     per microbatch, its branches one after the other on the values the earlier ones
     made; expert parallel's all-to-alls run where a value is read in the other layout."""
@@ -313,7 +314,7 @@ class TickLoop:
       mb = _at(mbs, i)
       for code in seq[:p]:
         if code:
-          c = branches[code](_operands(c, params, batch, mb, [], [], offsets), made)
+          c = branches[code](_operands(c, params, batch, mb, [], [], None), made)
       return c
 
     return lax.fori_loop(0, len(seq) // p, repeat, carry)
@@ -345,21 +346,19 @@ class TickLoop:
     position the step adds to must be present)."""
     table = self.table
     branches = [self._idle] + [self._branch(i, k) for i, k in enumerate(table.kinds)]
-    offsets = _offsets(self.prog.layout)
     # Each value lies flat in its row, [rows, size]: a row's reads and writes are then
     # two-dimensional whatever the value's rank, which XLA compiles into smaller kernels.
     if self.direct:
-      return self._run_direct(branches, params, batch, offsets,
-                              LoopCarry([], acc, split_acc, loss))
+      return self._run_direct(branches, params, batch, LoopCarry([], acc, split_acc, loss))
     stores = self.pools.zeros()
     if self.period is not None:
-      return self._run_straight(branches, params, batch, offsets,
-                                LoopCarry(stores, acc, split_acc, loss))
+      return self._run_straight(branches, params, batch, LoopCarry(stores, acc, split_acc, loss))
     code, mb, send_rows, recv_rows, regroup_rows = (
         jnp.asarray(x) for x in (table.code, table.mb, self.send_rows, self.recv_rows,
                                  self.regroup_rows))
     read_rows, write_rows = _columns(self.read_rows), _columns(self.write_rows)
     rank = lax.axis_index("pp")
+    offsets = _offsets(self.prog.layout)
 
     def tick(i, c: LoopCarry) -> LoopCarry:
       def slot(s, c: LoopCarry) -> LoopCarry:
