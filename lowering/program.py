@@ -610,7 +610,8 @@ class Program:
 
   def param_reader(self, ops: dict, gathered: bool):
     """`param(p)`: parameter leaf p from a switch's operands ("params", "cast", "split",
-    "leaves", and "offsets" where weights are sliced at offsets XLA cannot fold); `gathered`: "params" and "cast" hold ZeRO-3's gathered whole segments."""
+    "leaves", and "offsets" where weights are sliced at offsets XLA cannot fold);
+    `gathered`: "params" and "cast" hold ZeRO-3's gathered whole segments."""
     layout = self.layout
     seg_cache = {}
 
