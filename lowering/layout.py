@@ -530,8 +530,13 @@ class ParamLayout:
                    shared={dt: lax.all_gather(x, dp, axis=0, tiled=True)
                            for dt, x in local.shared.items()})
 
-  def leaf(self, segment: jax.Array, h: Home) -> jax.Array:
-    return segment[h.offset:h.offset + h.size].reshape(h.shape)
+  def leaf(self, segment: jax.Array, h: Home, start: jax.Array | None = None) -> jax.Array:
+    """Leaf `h` of its flat segment; `start`: its offset as a traced scalar, where the
+    caller keeps XLA from folding it (`tick_loop._offsets`)."""
+    if start is None:
+      return segment[h.offset:h.offset + h.size].reshape(h.shape)
+    return lax.dynamic_slice(segment, (start,), (h.size,),
+                             allow_negative_indices=False).reshape(h.shape)
 
   def unpack_cast(self, local: Buffers) -> list[jax.Array]:
     """This rank's cast leaves (`unpacked_pos`), flat, sliced from its local buffers

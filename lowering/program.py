@@ -625,10 +625,7 @@ class Program:
     offsets = ops.get("offsets")  # the loop's (`tick_loop._offsets`)
 
     def leaf(seg, h):
-      if offsets is None:
-        return layout.leaf(seg, h)
-      return lax.dynamic_slice(seg, (offsets[h.offset],), (h.size,),
-                               allow_negative_indices=False).reshape(h.shape)
+      return layout.leaf(seg, h, None if offsets is None else offsets[h.offset])
 
     def param(p):
       if p in layout.split:
