@@ -301,8 +301,19 @@ class Program:
     """Expert parallel's all-to-all: row j of `x`'s [devices, ...] view goes to device j
     of the "ep" axis (by expert, or back to where the tokens came from: it is its own
     inverse), as a value of `aval`'s shape and dtype."""
-    x = lax.all_to_all(x.reshape((self.ep, -1)), "ep", 0, 0, tiled=True)
-    return x.reshape(aval.shape).astype(aval.dtype)
+    return self.regroup_together([x], [aval])[0]
+
+  def regroup_together(self, xs: list[jax.Array], avals: list) -> list[jax.Array]:
+    """`regroup` of each of `xs` (of one dtype) by one all-to-all, their [devices, ...]
+    views side by side."""
+    x = jnp.concatenate([x.reshape((self.ep, -1)) for x in xs], axis=1)
+    y = lax.all_to_all(x, "ep", 0, 0, tiled=True)
+    out, at = [], 0
+    for x, aval in zip(xs, avals):
+      n = x.size // self.ep
+      out.append(y[:, at:at + n].reshape(aval.shape).astype(aval.dtype))
+      at += n
+    return out
 
   def _ct_sources(self, r: int, m: int, out: int | None = None) -> list[ValueKey]:
     """The cotangent keys (of consumers' inputs, microbatch m) that sum to the cotangent

@@ -320,13 +320,23 @@ class TickLoop:
     return lax.fori_loop(0, len(seq) // p, repeat, carry)
 
   def _regroup(self, c: LoopCarry, rows) -> LoopCarry:
-    """The table's regroups after a slot, in order, on the stores' rows `rows` gives."""
+    """The table's regroups after a slot, on the stores' rows `rows` gives: level by
+    level, the positions of one level and dtype in one all-to-all (none of them reads
+    what another writes), so that a slot launches as few as it can."""
     stores = list(c.stores)
+    groups: dict[tuple[int, str], list[int]] = {}
     for n, g in enumerate(self.table.regroups):
-      source, target = self.table.stores[g.source], self.table.stores[g.target]
-      x = _at(stores[self.pools.of[g.source]], rows[n, 0]).reshape(source.shape)
-      y = self.prog.regroup(x, jax.ShapeDtypeStruct(target.shape, jnp.dtype(target.dtype)))
-      stores = _written(stores, [(self.pools.of[g.target], y, rows[n, 1])])
+      groups.setdefault((g.level, self.table.stores[g.source].dtype), []).append(n)
+    for key in sorted(groups):
+      ns = groups[key]
+      gs = [self.table.regroups[n] for n in ns]
+      xs = [_at(stores[self.pools.of[g.source]], rows[n, 0]).reshape(self.table.stores[g.source].shape)
+            for n, g in zip(ns, gs)]
+      avals = [jax.ShapeDtypeStruct(self.table.stores[g.target].shape,
+                                    jnp.dtype(self.table.stores[g.target].dtype)) for g in gs]
+      ys = self.prog.regroup_together(xs, avals)
+      stores = _written(stores, [(self.pools.of[g.target], y, rows[n, 1])
+                                 for n, g, y in zip(ns, gs, ys)])
     return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
   def _switch(self, index, branches, ops):

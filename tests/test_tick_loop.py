@@ -343,6 +343,12 @@ def test_an_expert_parallel_pipelines_all_to_alls_run_outside_its_conditionals(
   assert table.regroups and all(
       table.stores[g.target].regrouped and not table.stores[g.source].regrouped
       and pools.of[g.source] != pools.of[g.target] for g in table.regroups)
+  # A slot's positions of one level and dtype share one all-to-all.
+  together = {(g.level, table.stores[g.source].dtype) for g in table.regroups}
+  assert len(together) < len(table.regroups)
+  in_loop = [l for l in hlo.splitlines() if re.search(r"\ball-to-all(-start)?\(", l)
+             and "pj:tick loop" in l]  # not GSPMD's, which moves the weights' layout
+  assert len(in_loop) == len(together)
 
 
 @pytest.mark.parametrize("how", ["1f1b-dp2-tp2", "zb-dp2-tp2", "stages-sharing-dp2-tp2",
