@@ -323,20 +323,19 @@ class TickLoop:
     """The table's regroups after a slot, on the stores' rows `rows` gives: level by
     level, the positions of one level and dtype in one all-to-all (none of them reads
     what another writes), so that a slot launches as few as it can."""
-    stores = list(c.stores)
-    groups: dict[tuple[int, str], list[int]] = {}
-    for n, g in enumerate(self.table.regroups):
-      groups.setdefault((g.level, self.table.stores[g.source].dtype), []).append(n)
-    for key in sorted(groups):
-      ns = groups[key]
-      gs = [self.table.regroups[n] for n in ns]
-      xs = [_at(stores[self.pools.of[g.source]], rows[n, 0]).reshape(self.table.stores[g.source].shape)
+    stores, table, of = list(c.stores), self.table, self.pools.of
+    together: dict[tuple[int, str], list[int]] = {}
+    for n, g in enumerate(table.regroups):
+      together.setdefault((g.level, table.stores[g.source].dtype), []).append(n)
+    for key in sorted(together):
+      ns = together[key]
+      gs = [table.regroups[n] for n in ns]
+      xs = [_at(stores[of[g.source]], rows[n, 0]).reshape(table.stores[g.source].shape)
             for n, g in zip(ns, gs)]
-      avals = [jax.ShapeDtypeStruct(self.table.stores[g.target].shape,
-                                    jnp.dtype(self.table.stores[g.target].dtype)) for g in gs]
+      avals = [jax.ShapeDtypeStruct(table.stores[g.target].shape,
+                                    jnp.dtype(table.stores[g.target].dtype)) for g in gs]
       ys = self.prog.regroup_together(xs, avals)
-      stores = _written(stores, [(self.pools.of[g.target], y, rows[n, 1])
-                                 for n, g, y in zip(ns, gs, ys)])
+      stores = _written(stores, [(of[g.target], y, rows[n, 1]) for n, g, y in zip(ns, gs, ys)])
     return LoopCarry(stores, c.acc, c.split_acc, c.loss)
 
   def _switch(self, index, branches, ops):
