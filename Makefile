@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/train.py --strategy pp-1f1b --stages 2 --dp 4 --zero 1 --microbatches 4 --steps 6
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x -n 2 tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -17,8 +17,8 @@ PP = ["--strategy", "pp-1f1b", "--stages", "2", "--dp", "2", "--zero", "1", "--m
 
 
 def test_resume_after_kill_gives_the_same_losses(tmp_path):
-  # --check: the loop's strategy against one device first (k steps and a plain-SGD step).
-  full = train.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "a"), "--check",
+  # (`--check` before training: test_check's runs of this script.)
+  full = train.main(PP + ["--steps", "4", "--ckpt-dir", str(tmp_path / "a"),
                           "--ckpt-every", "2", "--metrics", str(tmp_path / "m.jsonl")])
   rows = [json.loads(l) for l in open(tmp_path / "m.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
