@@ -18,11 +18,11 @@ accumulated with `lax.scan`: plain JAX on the kernels a `--pp`-rank pipeline run
 task). piper-jax: `dp`, `zero1`, `zero2`, `zero3` over all devices (`dp@b25`: gradients
 all-reduced in 25 MB buckets during the backward), `accum` (`[pj.split(--microbatches)]`
 beside `replicate`: gradient accumulation on every device; with `--pp 1` against
-`shmap-accum` over the same microbatches), `accum-1f1b` (the same with the model's two
-pipeline stages sharing each device, ordered 1F1B), and `pp-SCHEDULE` (gpipe, 1f1b, zb,
-interleaved, dualpipev) over `--pp` ranks times data parallel over the other devices,
-`@zK` for ZeRO-K on the data-parallel axis (default `--zero`). Interleaved and DualPipeV
-hold two stages per rank.
+`shmap-accum` over the same microbatches; `accum@b25`: its gradients all-reduced in 25 MB
+buckets), `accum-1f1b` (the same with the model's two pipeline stages sharing each
+device, ordered 1F1B), and `pp-SCHEDULE` (gpipe, 1f1b, zb, interleaved, dualpipev) over
+`--pp` ranks times data parallel over the other devices, `@zK` for ZeRO-K on the
+data-parallel axis (default `--zero`). Interleaved and DualPipeV hold two stages per rank.
 
 Suffixes (`zero3+rbf16+r24`):
   +rK           DP and ZeRO over K regions (the model's blocks cut into K stages)
@@ -243,7 +243,9 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   base, mods = split_variant(variant)
   pipe = parse_pipeline(base, zero)
   regions = [int(m[1:]) for m in mods if _REGIONS.fullmatch(m)]  # "+r4": DP over 4 regions
-  n_stages = (pp * STAGES_PER_RANK[pipe[0]] if pipe else 2 if base == "accum-1f1b"
+  name, _, bucket = base.partition("@b")  # "dp@b25", "accum@b25": 25 MB gradient buckets
+  bucket_mb = float(bucket) if bucket else None
+  n_stages = (pp * STAGES_PER_RANK[pipe[0]] if pipe else 2 if name == "accum-1f1b"
               else regions[0] if regions else 1)
   split = [tuple(int(n) for n in m[1:].split("-")) for m in mods if _LAYERS.fullmatch(m)]
   if split:
@@ -263,18 +265,17 @@ def build(variant: str, model: str, n: int, microbatches: int, pp: int = 2, zero
   if pipe:
     directives = pj.strategies.pipeline(n_stages, microbatches, schedule=pipe[0], dp=n // pp,
                                         zero=pipe[1], reduce_dtype=reduce_dtype)
-  elif base in ("accum", "accum-1f1b"):  # accumulation on every device, stages sharing it
+  elif name in ("accum", "accum-1f1b"):  # accumulation on every device, stages sharing it
     directives = [pj.split(microbatches), pj.replicate({}, list(range(n)), zero=zero,
+                                                       bucket_mb=bucket_mb,
                                                        reduce_dtype=reduce_dtype)]
-    if base == "accum-1f1b":
+    if name == "accum-1f1b":
       directives += pj.schedules.one_f_one_b(n_stages, microbatches)
   else:
-    name, _, bucket = base.partition("@b")  # "dp@b25": 25 MB gradient buckets
     if name not in PIPER[:4]:
       raise ValueError(f"unknown variant {variant!r}")
     directives = [pj.replicate({}, list(range(n)), zero=0 if name == "dp" else int(name[-1]),
-                               bucket_mb=float(bucket) if bucket else None,
-                               reduce_dtype=reduce_dtype)]
+                               bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)]
   if "ep" in mods:  # experts split over each rank's data-parallel group
     directives.append(pj.shard({"EP": "*"}, list(range(n))))
   if "tp" in mods:  # rank r's data-parallel devices are r, r + pp, ...: its first two

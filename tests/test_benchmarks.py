@@ -102,6 +102,17 @@ def test_baseline_of_each_variant():
   assert BASELINE_OF("zero1+bf16") == "jit-dp+bf16"  # pure bf16 against pure bf16
   assert BASELINE_OF("jit-dp+bf16") == "jit-dp+bf16"
   assert BASELINE_OF("dp+ep", "moe-1b") == "shmap-dp"  # routes per device, as piper does
+  assert BASELINE_OF("accum@b25") == "shmap-accum"
+
+
+def test_bucketed_variants_reduce_in_buckets():
+  # "@bN": replicate's gradient buckets of N MB, for DP and for accumulation alike.
+  sys.path.insert(0, ROOT)
+  from benchmarks import run
+  for variant, bucket in (("dp@b25", 25.0), ("accum@b1", 1.0), ("accum-1f1b@b2", 2.0),
+                          ("accum", None)):
+    _, _, directives = run.build(variant, "tiny", 8, 4, pp=1)
+    assert [d.bucket_mb for d in directives if type(d).__name__ == "Replicate"] == [bucket]
 
 
 def test_a_step_time_is_no_shorter_than_a_call(monkeypatch):
