@@ -55,6 +55,21 @@ class TrainState:
     return f"TrainState(params={self.params!r}, opt_state={self.opt_state!r})"
 
 
+def _batch_size(example_batch) -> int:
+  """The rows every leaf of the batch shares on its leading axis, which split and
+  replicate cut; a batch whose leaves disagree is refused here, before anything is traced."""
+  shapes = {jax.tree_util.keystr(p): np.shape(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(example_batch)[0]}
+  rows = {shape[0] if shape else None for shape in shapes.values()}
+  if len(rows) > 1 or None in rows:
+    listed = ", ".join(f"batch{k} {shape}" for k, shape in list(shapes.items())[:6])
+    raise ValueError(
+        f"the batch's leaves do not share a leading axis ({listed}): every batch leaf needs "
+        f"the batch's rows first, which the step splits over microbatches and replicas; "
+        f"pass values that are not per example in the params, or close over them in loss_fn")
+  return int(rows.pop()) if rows else 0
+
+
 def _traced_plan(loss_fn, directives, params, example_batch, n_devices, has_aux=False):
   """Traces the loss at the microbatch size and plans it.
 
@@ -63,8 +78,7 @@ def _traced_plan(loss_fn, directives, params, example_batch, n_devices, has_aux=
   directives suggest (`_guess_microbatch`), and again only when placing says otherwise:
   tracing a large model is most of `pj.compile`'s own time.
   """
-  leaves = jax.tree_util.tree_leaves(example_batch)
-  batch_size = int(np.shape(leaves[0])[0]) if leaves else 0
+  batch_size = _batch_size(example_batch)
   at = lambda n: jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct((n,) + tuple(np.shape(x)[1:]), jax.numpy.result_type(x)),
       example_batch)

@@ -319,6 +319,18 @@ def test_batch_of_another_dtype():
                         "y": np.asarray(batch["y"], np.int64)})
 
 
+@pytest.mark.parametrize("extra", [np.zeros(8, np.float32), np.float32(1.0)], ids=["rows", "scalar"])
+@pytest.mark.parametrize("name", ["a", "z"])  # sorted before and after the batch's leaves
+def test_batch_leaf_without_the_batchs_rows(extra, name):
+  # Whichever leaf comes first, the message names the leaves and what they must share.
+  batch = dict(random_batch(jax.random.PRNGKey(1), 16), **{name: extra})
+  params = init_mlp(jax.random.PRNGKey(0), 2)
+  with pytest.raises(ValueError, match=r"do not share a leading axis \(.*batch\['" + name +
+                     r"'\] \(" + ",".join(str(d) for d in np.shape(extra)) + r",?\).*the batch's "
+                     r"rows first"):
+    pj.compile(mlp_loss(2), optimizer(), [pj.split(4)], params, batch)
+
+
 def test_a_split_projection_with_fewer_heads_than_devices():
   # Three heads of 8 over 2 devices: the split projection's 24 columns become 3 heads,
   # which do not divide; the message names the sizes and the group to pick.
