@@ -2,6 +2,7 @@
 
 import pytest
 
+import piper_jax as pj
 from piper_jax import ir
 from piper_jax.ir import NodeKind, Pass, TensorSpec
 from piper_jax.ir.build import build_graph
@@ -159,3 +160,11 @@ def test_verify_names_the_pass():
   g = ir.Graph([ir.Node("a", NodeKind.COMPUTE, 0, pass_=Pass.F)], [])
   with pytest.raises(ir.PlanError, match="after pass 'place_nodes': node r0F has no devices"):
     verify(g, "place_nodes", placed=True)
+
+
+def test_a_later_place_overrides_an_earlier_one_where_both_match():
+  # A placement of everything, then its exceptions (documented in the guide).
+  from piper_jax.ir.pipeline import place_graph
+  placed = place_graph(chain_model(3), [pj.place({}, [0]), pj.place({"PP": 1}, [1])], n_devices=2)
+  devices = {n.region: n.devices for n in placed.graph.nodes.values() if n.region is not None}
+  assert devices == {0: (0,), 1: (1,), 2: (0,)}
