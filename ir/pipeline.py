@@ -63,9 +63,9 @@ def _num_microbatches(model: ModelSpec, directives: Sequence[Directive]) -> int:
       if covered != {r.index for r in model.regions}:
         raise DirectiveError("splits only some regions; split the whole model (filter {}) so "
                              "every region sees the same microbatches", i, d)
-    if first is not None and d.num_microbatches != n_mb:
+    if first is not None:
       raise DirectiveError(f"splits into {d.num_microbatches} microbatches but directive "
-                           f"{first} split into {n_mb}; use one split", i, d)
+                           f"{first} split the batch already, into {n_mb}; use one split", i, d)
     n_mb, first = d.num_microbatches, i
   return n_mb
 

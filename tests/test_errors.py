@@ -74,9 +74,14 @@ def test_unplaced_region():
   assert "pj.place({'PP': 1}, [0])" in msg and not msg.startswith("directive"), msg
 
 
-def test_different_microbatch_counts():
-  _raises([pj.split(2), pj.split(4), pj.place({}, [0])], r"directive 1 \{\"op\": \"split\"",
-          "splits into 4 microbatches but directive 0 split into 2", "use one split")
+@pytest.mark.parametrize("second", [4, 2])
+def test_a_second_split(second):
+  # The same count twice is refused as plainly as another count (it had been taken as a
+  # batch split twice over: "the batch of 2 does not divide" for a batch of 16).
+  _raises([pj.split(2), pj.split(second), pj.replicate({}, [0, 1])],
+          r"directive 1 \{\"op\": \"split\"",
+          f"splits into {second} microbatches but directive 0 split the batch already, into 2",
+          "use one split")
 
 
 def test_region_placed_on_some_devices_and_replicated_over_others():
