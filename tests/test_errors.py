@@ -59,6 +59,15 @@ def test_cycle_made_by_order():
   _raises(d, r"directive 2 \{\"op\": \"order\"", "cycle", "r0F0")
 
 
+@pytest.mark.parametrize("groups", [[0, 0, 1], [0, 1, 0]], ids=["adjacent", "apart"])
+def test_order_naming_a_node_twice(groups):
+  # Told as such, not as an order across devices or a cycle.
+  f = lambda m: {"PP": 0, "PASS": "F", "MB": m}
+  d = [pj.split(2), pj.place({}, [0]), pj.order([f(m) for m in groups])]
+  _raises(d, r"directive 2 \{\"op\": \"order\"", r"names r0F0 in groups 0 and [12]",
+          "names each node once")
+
+
 def test_order_across_devices():
   d = [pj.place({"PP": 0}, [0]), pj.place({"PP": 1}, [1]),
        pj.order([{"PP": 1, "PASS": "F"}, {"PP": 0, "PASS": "B"}])]

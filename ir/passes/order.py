@@ -51,6 +51,12 @@ def _order_edges(graph: Graph, index: int, d: Order,
     if not ids:
       raise DirectiveError(f"group {gi} matches no F/B node", index, d)
     groups.append([graph.nodes[i] for i in ids])
+  seen: dict[str, int] = {}  # node id -> the first group naming it
+  for gi, nodes in enumerate(groups):
+    for n in nodes:
+      if seen.setdefault(n.id, gi) != gi:
+        raise DirectiveError(f"names {n.label} in groups {seen[n.id]} and {gi}; an order "
+                             f"names each node once, in the group where it runs", index, d)
   members = {}
   for gi, (g, nodes) in enumerate(zip(d.groups, groups)):
     if len(g) > 1:
