@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import numbers
 import os
 from typing import Any, Mapping, Sequence, Union
 
@@ -51,6 +52,10 @@ def _filter_json(f: Filter) -> dict:
 
 
 def _devices(devices: Sequence[int]) -> tuple[int, ...]:
+  # Integers only: int() would take device 1.7 as device 1.
+  bad = [d for d in devices if isinstance(d, bool) or not isinstance(d, numbers.Integral)]
+  if bad:
+    raise ValueError(f"devices must be integer device indices, got {bad[0]!r}")
   devs = tuple(int(d) for d in devices)
   if not devs:
     raise ValueError("devices must be a non-empty list of device indices")
@@ -262,7 +267,7 @@ def replicate(filter, devices, zero=0, bucket_mb=None, reduce_stream=None,
   is the dtype gradients are cast to for their reduction over `devices`, as PyTorch
   FSDP's `reduce_dtype`: bf16 halves the bytes and rounds each replica's gradient.
   """
-  if zero not in (0, 1, 2, 3):
+  if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
     raise ValueError(f"replicate zero must be 0, 1, 2 or 3, got {zero!r}")
   if bucket_mb is not None and not bucket_mb > 0:
     raise ValueError(f"replicate bucket_mb must be > 0, got {bucket_mb!r}")

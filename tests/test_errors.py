@@ -133,6 +133,12 @@ def test_microbatch_filter_out_of_range():
 def test_bad_directive_arguments():
   with pytest.raises(ValueError, match="zero must be"):
     pj.replicate({}, [0], zero=4)
+  with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3, got True"):
+    pj.replicate({}, [0], zero=True)
+  for devices in ([0.0, 1.0], [0, 1.7], [True]):
+    with pytest.raises(ValueError, match="devices must be integer device indices"):
+      pj.place({}, devices)
+  assert pj.replicate({}, np.arange(2)).devices == (0, 1)  # numpy's integers are integers
   with pytest.raises(ValueError, match="num_microbatches"):
     pj.split(0)
   with pytest.raises(ValueError, match="PASS"):
