@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import numbers
+import operator
 import os
 from typing import Any, Mapping, Sequence, Union
 
@@ -52,11 +52,15 @@ def _filter_json(f: Filter) -> dict:
 
 
 def _devices(devices: Sequence[int]) -> tuple[int, ...]:
-  # Integers only: int() would take device 1.7 as device 1.
-  bad = [d for d in devices if isinstance(d, bool) or not isinstance(d, numbers.Integral)]
-  if bad:
-    raise ValueError(f"devices must be integer device indices, got {bad[0]!r}")
-  devs = tuple(int(d) for d in devices)
+  # Integers only (anything with __index__): int() would take device 1.7 as device 1.
+  def index(d) -> int:
+    try:
+      if not isinstance(d, bool):
+        return operator.index(d)
+    except TypeError:
+      pass
+    raise ValueError(f"devices must be integer device indices, got {d!r}")
+  devs = tuple(index(d) for d in devices)
   if not devs:
     raise ValueError("devices must be a non-empty list of device indices")
   if len(set(devs)) != len(devs):

@@ -60,9 +60,14 @@ def _batch_size(example_batch) -> int:
   replicate cut; a batch whose leaves disagree is refused here, before anything is traced."""
   shapes = {jax.tree_util.keystr(p): np.shape(x)
             for p, x in jax.tree_util.tree_flatten_with_path(example_batch)[0]}
-  rows = {shape[0] if shape else None for shape in shapes.values()}
+  lead = {k: shape[0] if shape else None for k, shape in shapes.items()}
+  rows = set(lead.values())
   if len(rows) > 1 or None in rows:
-    listed = ", ".join(f"batch{k} {shape}" for k, shape in list(shapes.items())[:6])
+    # The leaves off the commonest leading axis first, then one that has it.
+    common = max(rows - {None}, key=list(lead.values()).count, default=None)
+    odd = [k for k, n in lead.items() if n is None or n != common][:4]
+    keys = odd + [next(k for k, n in lead.items() if n == common)] if common else odd
+    listed = ", ".join(f"batch{k} {shapes[k]}" for k in keys)
     raise ValueError(
         f"the batch's leaves do not share a leading axis ({listed}): every batch leaf needs "
         f"the batch's rows first, which the step splits over microbatches and replicas; "
