@@ -65,9 +65,10 @@ def _batch_size(example_batch) -> int:
   if len(rows) > 1 or None in rows:
     # The leaves off the commonest leading axis first, then one that has it.
     common = max(rows - {None}, key=list(lead.values()).count, default=None)
-    odd = [k for k, n in lead.items() if n is None or n != common][:4]
-    keys = odd + [next(k for k, n in lead.items() if n == common)] if common else odd
-    listed = ", ".join(f"batch{k} {shapes[k]}" for k in keys)
+    named = [k for k, n in lead.items() if n is None or n != common][:4]
+    if common is not None:
+      named.append(next(k for k, n in lead.items() if n == common))
+    listed = ", ".join(f"batch{k} {shapes[k]}" for k in named)
     raise ValueError(
         f"the batch's leaves do not share a leading axis ({listed}): every batch leaf needs "
         f"the batch's rows first, which the step splits over microbatches and replicas; "

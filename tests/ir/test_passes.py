@@ -2,11 +2,11 @@
 
 import pytest
 
-import piper_jax as pj
 from piper_jax import ir
 from piper_jax.ir import NodeKind, Pass, TensorSpec
 from piper_jax.ir.build import build_graph
 from piper_jax.ir.passes import split_microbatches
+from piper_jax.ir.pipeline import place_graph
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,7 +164,6 @@ def test_verify_names_the_pass():
 
 def test_a_later_place_overrides_an_earlier_one_where_both_match():
   # A placement of everything, then its exceptions (documented in the guide).
-  from piper_jax.ir.pipeline import place_graph
-  placed = place_graph(chain_model(3), [pj.place({}, [0]), pj.place({"PP": 1}, [1])], n_devices=2)
+  placed = place_graph(chain_model(3), [ir.place({}, [0]), ir.place({"PP": 1}, [1])], n_devices=2)
   devices = {n.region: n.devices for n in placed.graph.nodes.values() if n.region is not None}
   assert devices == {0: (0,), 1: (1,), 2: (0,)}
