@@ -63,6 +63,9 @@ def _devices(devices: Sequence[int]) -> tuple[int, ...]:
   devs = tuple(index(d) for d in devices)
   if not devs:
     raise ValueError("devices must be a non-empty list of device indices")
+  if any(d < 0 for d in devs):
+    raise ValueError(f"devices must be device indices >= 0 (they count from 0 and do not "
+                     f"wrap around), got {list(devs)}")
   if len(set(devs)) != len(devs):
     raise ValueError(f"devices must not repeat, got {list(devs)}")
   return devs

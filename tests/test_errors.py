@@ -139,6 +139,8 @@ def test_bad_directive_arguments():
     with pytest.raises(ValueError, match="devices must be integer device indices"):
       pj.place({}, devices)
   assert pj.replicate({}, np.arange(2)).devices == (0, 1)  # numpy's integers are integers
+  with pytest.raises(ValueError, match=r"indices >= 0 .* got \[0, -1\]"):
+    pj.place({}, [0, -1])
   with pytest.raises(ValueError, match="num_microbatches"):
     pj.split(0)
   with pytest.raises(ValueError, match="PASS"):
