@@ -42,13 +42,28 @@ if _ROOT not in sys.path:
 import pytest  # noqa: E402
 
 
+def _memory_maps() -> int | None:
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
+# A quarter of the kernel's default limit on memory maps (vm.max_map_count).
+_MAPS_KEPT = 16384
+
+
 @pytest.fixture(autouse=True)
 def _free_compiled_programs():
-  """Drops JAX's caches of compiled programs after each test: every CPU executable
-  holds memory maps of its code, and a worker that kept all of the suite's went past
-  the kernel's limit (vm.max_map_count, 65530) and crashed inside XLA's compiler."""
+  """Drops JAX's caches of compiled programs once a worker holds many memory maps:
+  every CPU executable holds maps of its code, and a worker that kept all of the
+  suite's went past the kernel's limit (vm.max_map_count, 65530) and crashed inside
+  XLA's compiler. Kept below that, later tests reuse the programs and traces."""
   yield
-  jax.clear_caches()
+  maps = _memory_maps()
+  if maps is None or maps > _MAPS_KEPT:
+    jax.clear_caches()
 
 
 @pytest.fixture
