@@ -73,8 +73,7 @@ def _written(stores: list, values) -> list:
   stores = list(stores)
   for st, x, row in values:
     buf = stores[st]
-    stores[st] = lax.dynamic_update_slice(buf, x.reshape((1,) + buf.shape[1:]),
-                                          (row,) + (0,) * (buf.ndim - 1),
+    stores[st] = lax.dynamic_update_slice(buf, x.reshape((1, -1)), (row, 0),
                                           allow_negative_indices=False)
   return stores
 
@@ -110,13 +109,26 @@ def _columns(rows: np.ndarray) -> list:
   return [jnp.asarray(rows[..., n]) for n in range(rows.shape[-1])]
 
 
+# Bytes of a row up to which stores of one dtype share a buffer whatever their size.
+_SMALL_ROW = 16384
+
+
+def _row(buf, row, store):
+  """Store `store`'s value from `row` of its buffer (the row's first elements)."""
+  x = _at(buf, row)
+  return (x if x.shape[0] == store.size else x[:store.size]).reshape(store.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class Pools:
   """The buffers the table's stores live in: stores whose values have one size and
   dtype share a buffer (those all-to-alls make apart from the others: `Store.regrouped`),
-  each its own rows in it, and one scratch row for all (the last).
+  each its own rows in it, and one scratch row for all (the last); so do those of one
+  dtype whose rows are small (`_SMALL_ROW`), in rows as wide as the widest of them.
   XLA compiles a kernel per buffer shape for its zero fill and its row writes, so fewer
-  buffers compile faster; a value's rows hold it flat whatever its shape.
+  buffers compile faster (small stores, an MoE's router outputs and a layer norm's
+  statistics, are many shapes of a few KiB); a value's rows hold it flat whatever its
+  shape, from the row's first element.
 
   of[st]: store st's buffer; offset[st]: its first row there; rows[b]: buffer b's rows,
   scratch included; size[b], dtype[b]: its row's elements and dtype.
@@ -132,11 +144,17 @@ class Pools:
   def of_stores(cls, stores) -> "Pools":
     index: dict[tuple, int] = {}
     of, offset, rows, size, dtype = [], [], [], [], []
+    small = lambda st: st.size * np.dtype(st.dtype).itemsize <= _SMALL_ROW
+    widest: dict[tuple, int] = {}
+    for st in filter(small, stores):
+      k = (st.dtype, st.regrouped)
+      widest[k] = max(widest.get(k, 0), st.size)
     for st in stores:
-      b = index.setdefault((st.size, st.dtype, st.regrouped), len(index))
+      n = widest[(st.dtype, st.regrouped)] if small(st) else st.size
+      b = index.setdefault((n, st.dtype, st.regrouped), len(index))
       if b == len(rows):
         rows.append(1)
-        size.append(st.size)
+        size.append(n)
         dtype.append(st.dtype)
       of.append(b)
       offset.append(rows[b] - 1)
@@ -223,8 +241,7 @@ class TickLoop:
           return made[key]
         x = where[key]
         st = kind.reads[x]
-        return _at(stores[self.pools.of[st]], ops["read_rows"][x]).reshape(
-            self.table.stores[st].shape)
+        return _row(stores[self.pools.of[st]], ops["read_rows"][x], self.table.stores[st])
 
       step_params: StepParams = ops["params"]
       own = step_params.own
@@ -330,7 +347,7 @@ class TickLoop:
     for key in sorted(together):
       ns = together[key]
       gs = [table.regroups[n] for n in ns]
-      xs = [_at(stores[of[g.source]], rows[n, 0]).reshape(table.stores[g.source].shape)
+      xs = [_row(stores[of[g.source]], rows[n, 0], table.stores[g.source])
             for n, g in zip(ns, gs)]
       avals = [jax.ShapeDtypeStruct(table.stores[g.target].shape,
                                     jnp.dtype(table.stores[g.target].dtype)) for g in gs]

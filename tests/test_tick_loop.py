@@ -35,8 +35,9 @@ def test_tick_loop_same_numbers(schedule, n_stages, dp, zero):
 def test_branches_write_the_stores_in_place_on_cpu(schedule):
   # XLA's CPU copy insertion copies every store buffer a conditional's branches write
   # unless it runs its region analysis, which `pj.compile` turns on for loops; then
-  # of the store buffers only the one branches both read and write (the activations')
-  # is copied.
+  # of the store buffers only the one branches both read and write (the activations',
+  # which this model's rows are small enough to share with its other float stores) is
+  # copied.
   params = init_mlp(jax.random.PRNGKey(0), 4)
   directives = pj.strategies.pipeline(4, 4, schedule)
   step, state = assert_same_run(mlp_loss(4), params, directives)
@@ -55,8 +56,8 @@ def test_branches_write_the_stores_in_place_on_cpu(schedule):
   assert step.compiler_options() == {"xla_cpu_copy_insertion_use_region_analysis": True}
   text, xla_text = compiled(), compiled(compiler_options={})
   ours, xlas = copies(text), copies(xla_text)
-  assert len(buffers) >= 4 and sum(n > 0 for n in ours) <= 1
-  assert all(n > 0 for n in xlas[2:]) and sum(ours) < sum(xlas) / 3, (ours, xlas)
+  assert len(buffers) >= 3 and sum(n > 0 for n in ours) <= 1
+  assert all(n > 0 for n in xlas) and sum(ours) < sum(xlas) / 3, (ours, xlas)
   # The bytes each run of a branch copies, as run.py --compile-only reports them: none
   # in the idle branch, less than under XLA's own options, but not nothing: the branches
   # analysed after the first few still copy the activations' buffer and gradient sums.
@@ -380,18 +381,22 @@ def test_a_tensor_parallel_pipelines_all_reduces_run_outside_its_conditionals(ba
 
 
 def test_stores_of_one_size_and_dtype_share_a_buffer_and_its_scratch_row():
+  # Small rows (at most 16 KiB) share one buffer per dtype, padded to the widest of them.
   from piper_jax.lowering.schedule_table import Store
   from piper_jax.lowering.tick_loop import Pools
   stores = (Store((4, 2), "float32", 3), Store((8,), "float32", 2), Store((8,), "bfloat16", 1),
-            Store((2, 2), "float32", 1))
+            Store((2, 2), "float32", 1), Store((64, 128), "float32", 1),
+            Store((64, 128), "float32", 2))
   pools = Pools.of_stores(stores)
-  assert pools.of == (0, 0, 1, 2)
-  assert pools.rows == (3 + 2 + 1, 1 + 1, 1 + 1)   # each store's rows, one scratch row
-  assert pools.offset == (0, 3, 0, 0)
+  assert pools.of == (0, 0, 1, 0, 2, 2)
+  assert pools.rows == (3 + 2 + 1 + 1, 1 + 1, 1 + 2 + 1)   # each store's rows, one scratch row
+  assert pools.size == (8, 8, 64 * 128)
+  assert pools.offset == (0, 3, 0, 5, 0, 1)
   rows = np.array([0, 2, 3])                        # store 0's rows, 3 is its scratch
-  np.testing.assert_array_equal(pools.rows_of(stores, 0, rows), [0, 2, 5])
-  np.testing.assert_array_equal(pools.rows_of(stores, 1, np.array([0, 1, 2])), [3, 4, 5])
-  assert [z.shape for z in pools.zeros()] == [(6, 8), (2, 8), (2, 4)]
+  np.testing.assert_array_equal(pools.rows_of(stores, 0, rows), [0, 2, 6])
+  np.testing.assert_array_equal(pools.rows_of(stores, 1, np.array([0, 1, 2])), [3, 4, 6])
+  np.testing.assert_array_equal(pools.rows_of(stores, 5, np.array([0, 1, 2])), [1, 2, 3])
+  assert [z.shape for z in pools.zeros()] == [(7, 8), (2, 8), (4, 64 * 128)]
 
 
 def test_accumulation_hands_each_microbatchs_values_on_directly(batches_of):
