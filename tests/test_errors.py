@@ -167,6 +167,32 @@ def test_errors_come_before_compiling(monkeypatch):
   assert not calls
 
 
+def test_the_build_pauses_the_garbage_collector_and_gives_it_back():
+  # pj.compile and step.compile trace with Python's collector paused (the loss when
+  # building, the optimizer's update then and again in the step), and leave it as they
+  # found it, when they fail too.
+  import gc
+  import optax
+  seen = []
+  inner = optimizer()
+  tx = optax.GradientTransformation(
+      inner.init, lambda *a: seen.append(gc.isenabled()) or inner.update(*a))
+  params, batch = init_mlp(jax.random.PRNGKey(0), 2), random_batch(jax.random.PRNGKey(1), 16)
+  step = pj.compile(mlp_loss(2), tx, pj.strategies.pipeline(2, 2, "1f1b"), params, batch)
+  built = len(seen)
+  step.compile()
+  assert 0 < built < len(seen) and not any(seen) and gc.isenabled()
+  with pytest.raises(pj.PlanError):
+    pj.compile(mlp_loss(2), tx, [pj.place({"PP": 0}, [0])], params, batch)
+  assert gc.isenabled()
+  gc.disable()
+  try:
+    pj.compile(mlp_loss(2), tx, pj.strategies.pipeline(2, 2, "1f1b"), params, batch)
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
+
+
 def test_annotation_inside_a_transformed_function():
   @jax.jit
   def block(w, x):
