@@ -109,14 +109,16 @@ def _columns(rows: np.ndarray) -> list:
   return [jnp.asarray(rows[..., n]) for n in range(rows.shape[-1])]
 
 
-# Bytes of a row up to which stores of one dtype share a buffer whatever their size.
+# Bytes of a row up to which stores of one dtype may share a buffer whatever their size,
+# and the padding that sharing may add, as a fraction of all the stores' bytes.
 _SMALL_ROW = 16384
+_SMALL_PADDING = 0.05
 
 
 def _row(buf, row, store):
   """Store `store`'s value from `row` of its buffer (the row's first elements)."""
-  x = _at(buf, row)
-  return (x if x.shape[0] == store.size else x[:store.size]).reshape(store.shape)
+  x = lax.dynamic_slice(buf, (row, 0), (1, store.size), allow_negative_indices=False)
+  return x.reshape(store.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +126,9 @@ class Pools:
   """The buffers the table's stores live in: stores whose values have one size and
   dtype share a buffer (those all-to-alls make apart from the others: `Store.regrouped`),
   each its own rows in it, and one scratch row for all (the last); so do those of one
-  dtype whose rows are small (`_SMALL_ROW`), in rows as wide as the widest of them.
+  dtype whose rows are small (`_SMALL_ROW`), in rows as wide as the widest of them,
+  where that pads the stores by little (`_SMALL_PADDING`: a model whose activations are
+  all small keeps them apart).
   XLA compiles a kernel per buffer shape for its zero fill and its row writes, so fewer
   buffers compile faster (small stores, an MoE's router outputs and a layer norm's
   statistics, are many shapes of a few KiB); a value's rows hold it flat whatever its
@@ -145,12 +149,19 @@ class Pools:
     index: dict[tuple, int] = {}
     of, offset, rows, size, dtype = [], [], [], [], []
     small = lambda st: st.size * np.dtype(st.dtype).itemsize <= _SMALL_ROW
-    widest: dict[tuple, int] = {}
+    groups: dict[tuple, list] = {}
     for st in filter(small, stores):
-      k = (st.dtype, st.regrouped)
-      widest[k] = max(widest.get(k, 0), st.size)
+      groups.setdefault((st.dtype, st.regrouped), []).append(st)
+    budget = _SMALL_PADDING * sum(st.nbytes for st in stores)
+    widest: dict[tuple, int] = {}
+    for k, group in groups.items():
+      width = max(st.size for st in group)
+      padding = sum(st.depth * (width - st.size) for st in group) * np.dtype(k[0]).itemsize
+      if len({st.size for st in group}) > 1 and padding <= budget:
+        widest[k] = width
+        budget -= padding
     for st in stores:
-      n = widest[(st.dtype, st.regrouped)] if small(st) else st.size
+      n = widest.get((st.dtype, st.regrouped), st.size) if small(st) else st.size
       b = index.setdefault((n, st.dtype, st.regrouped), len(index))
       if b == len(rows):
         rows.append(1)

@@ -397,6 +397,9 @@ def test_stores_of_one_size_and_dtype_share_a_buffer_and_its_scratch_row():
   np.testing.assert_array_equal(pools.rows_of(stores, 1, np.array([0, 1, 2])), [3, 4, 6])
   np.testing.assert_array_equal(pools.rows_of(stores, 5, np.array([0, 1, 2])), [1, 2, 3])
   assert [z.shape for z in pools.zeros()] == [(7, 8), (2, 8), (4, 64 * 128)]
+  # Where sharing would pad the stores by more than a twentieth, they stay apart.
+  apart = Pools.of_stores((Store((4096,), "float32", 8), Store((16,), "float32", 8)))
+  assert apart.size == (4096, 16) and apart.of == (0, 1)
 
 
 def test_accumulation_hands_each_microbatchs_values_on_directly(batches_of):
