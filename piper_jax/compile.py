@@ -60,9 +60,10 @@ class TrainState:
 @contextlib.contextmanager
 def _collector_paused():
   """Python's cyclic garbage collector paused while the step is built, traced and
-  lowered (not while XLA compiles, nor in a call): its collections scan every object
-  the traces and jaxprs hold, a fifth of a pipeline's build, trace and lowering on the
-  CPU, and what they leave behind is freed when it runs again."""
+  lowered (not while XLA compiles, nor in a call): in a process that has built steps
+  before (a planner's search, a notebook, tests) its collections scan every object the
+  earlier traces left, a fifth of a pipeline's build, trace and lowering on the CPU;
+  what this one leaves behind is freed when it runs again."""
   was_enabled = gc.isenabled()
   gc.disable()
   try:
