@@ -35,9 +35,8 @@ def test_tick_loop_same_numbers(schedule, n_stages, dp, zero):
 def test_branches_write_the_stores_in_place_on_cpu(schedule):
   # XLA's CPU copy insertion copies every store buffer a conditional's branches write
   # unless it runs its region analysis, which `pj.compile` turns on for loops; then
-  # of the store buffers only the one branches both read and write (the activations',
-  # which this model's rows are small enough to share with its other float stores) is
-  # copied.
+  # of the store buffers only the one branches both read and write (the activations')
+  # is copied.
   params = init_mlp(jax.random.PRNGKey(0), 4)
   directives = pj.strategies.pipeline(4, 4, schedule)
   step, state = assert_same_run(mlp_loss(4), params, directives)
