@@ -455,13 +455,8 @@ class TrainStep:
     does outside it (ZeRO-1/2 parameters gathered after the update, whole-leaf
     optimizers, spread slots). Traces the step once; the first call reuses the trace."""
     if self._collectives is None:
-      sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-      params = jax.tree_util.tree_map(sds, self._layout.shapes(), self._parts.params)
-      opt = jax.tree_util.tree_map(sds, self._parts.opt_shapes, self._parts.opt)
-      batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(s.shape[1:]), s.dtype,
-                                    sharding=self._parts.batch)
-               for s in self._traced.spec.batch]
-      traced = self._step.trace(TrainState(params, opt, self), batch)
+      with _collector_paused():
+        traced = self._step.trace(*self._abstract_inputs())
       self._collectives = step_collectives(traced.jaxpr) + self._xla_resharding()
     return list(self._collectives)
 
@@ -548,8 +543,9 @@ class TrainStep:
         self._traced.batch_tree,
         [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype)
          for x in self._traced.spec.batch])
-    return TrainStep(self.loss_fn, optimizer, self.directives, params, batch, self.devices,
-                     self.options, self.has_aux, self.platform)
+    with _collector_paused():
+      return TrainStep(self.loss_fn, optimizer, self.directives, params, batch, self.devices,
+                       self.options, self.has_aux, self.platform)
 
   def _check_runs_here(self) -> None:
     """Refuses a GPU's program that these devices cannot run, before one device fails
@@ -568,9 +564,10 @@ class TrainStep:
   def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
     """The `jax.stages.Lowered` step, for `.as_text()` or `.compile()`; a step built for
     GPUs on other devices (`pj.compile(platform="gpu")`) is lowered for CUDA."""
-    if self.platform == "gpu" and self.devices[0].platform != "gpu":
-      return self.trace(state, batch).lower(lowering_platforms=("cuda",))
     with _collector_paused():
+      if self.platform == "gpu" and self.devices[0].platform != "gpu":
+        return self._step.trace(state, self._batch_leaves(batch)).lower(
+            lowering_platforms=("cuda",))
       return self._step.lower(state, self._batch_leaves(batch))
 
   def memory(self) -> CompiledMemory:
@@ -586,17 +583,20 @@ class TrainStep:
     (`.as_text()`, `.memory_analysis()`, `.cost_analysis()`)."""
     self._check_runs_here()
     if self._compiled is None:
-      abstract = lambda shapes, shardings: jax.tree_util.tree_map(
-          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-      params = abstract(self._layout.shapes(), self._parts.params)
-      opt_state = abstract(self._parts.opt_shapes, self._parts.opt)
-      batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype,
-                                    sharding=self._parts.batch)
-               for x in self._traced.spec.batch]
       with _collector_paused():
-        lowered = self._step.lower(TrainState(params, opt_state, self), batch)
+        lowered = self._step.lower(*self._abstract_inputs())
       self._compiled = lowered.compile()
     return self._compiled
+
+  def _abstract_inputs(self) -> tuple[TrainState, list]:
+    """The step's state and batch leaves as shapes with their shardings (nothing allocated)."""
+    sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    params = jax.tree_util.tree_map(sds, self._layout.shapes(), self._parts.params)
+    opt_state = jax.tree_util.tree_map(sds, self._parts.opt_shapes, self._parts.opt)
+    batch = [jax.ShapeDtypeStruct((self.batch_size,) + tuple(x.shape[1:]), x.dtype,
+                                  sharding=self._parts.batch)
+             for x in self._traced.spec.batch]
+    return TrainState(params, opt_state, self), batch
 
   def params(self, state: TrainState) -> Any:
     """The parameters as the user's original pytree, gathered."""
