@@ -34,8 +34,8 @@ from piper_jax.lowering.gradients import GradientSums, zeros_of
 from piper_jax.lowering.layout import SHARED, ParamLayout, match_positions, signature
 from piper_jax.lowering.local import RegionRunner
 from piper_jax.lowering.regions import (BackwardSplit, RegionAD, analyze_region, backward_input,
-                                        backward_weight, full_residuals, region_backward,
-                                        region_forward, region_key, relabel, split_backward)
+                                        backward_weight, first_alike, full_residuals,
+                                        region_backward, region_forward, relabel, split_backward)
 from piper_jax.lowering.tick_loop import TickLoop
 from piper_jax.lowering.values import (Kept, TickValues,
                                        ValueKey, ValueKind)
@@ -160,20 +160,10 @@ class Program:
     # Gradients summed over microbatches: bf16 weight-gradient GEMMs write fp32.
     wide = plan.n_microbatches > 1
     backward = {t.region for t in plan.tasks.values() if t.pass_ in (Pass.B, Pass.BI)}
-    # The full key reads every equation: only regions that agree on a cheap outline
-    # (equation count and input and output shapes) compute it.
-    outline = lambda r: (len(runner.traced.regions[r].eqns),
-                         tuple(tuple((tuple(a.shape), str(a.dtype)) for a in avals)
-                               for avals in runner.avals(r)),
-                         tuple((tuple(a.shape), str(a.dtype)) for a in runner.out_avals(r)))
-    outlines: dict[tuple, list[int]] = {}
-    for spec in self.model.regions:
-      outlines.setdefault(outline(spec.index), []).append(spec.index)
-    alone = {rs[0] for rs in outlines.values() if len(rs) == 1}
-    first: dict[tuple, int] = {}  # region key -> the first region traced with it
+    first = first_alike(runner, [spec.index for spec in self.model.regions], remat)
     for spec in self.model.regions:
       r = spec.index
-      src = r if r in alone else first.setdefault(region_key(runner, r, remat), r)
+      src = first[r]
       if src != r and (r in backward) == (src in backward):
         found = relabel(runner, src, r, self.ad[src], self.split.get(src))
         if found is not None:

@@ -23,7 +23,7 @@ import numpy as np
 from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, Literal, eval_eqns, read, wrapped_parts
 from piper_jax.lowering.local import RegionRunner
 
-__all__ = ["RegionAD", "analyze_region", "region_key", "relabel"]
+__all__ = ["RegionAD", "analyze_region", "first_alike", "region_key", "relabel"]
 
 
 # Equations cheap enough to redo in B instead of storing their result per microbatch:
@@ -358,6 +358,25 @@ def region_key(runner: RegionRunner, r: int, remat: bool = False) -> tuple:
           tuple(map(_aval_key, a_avals)), tuple(x.differentiable for x in spec.inputs),
           tuple((o.shape, o.dtype) for o in spec.outputs), tuple(eqns),
           tuple(ref(v) for v in reg.out_vars), tuple(consts), bool(remat))
+
+
+def first_alike(runner: RegionRunner, regions, remat: bool = False) -> dict[int, int]:
+  """Each of `regions` -> the first of them that traces like it (`region_key`): itself
+  when none before does. The full key reads every equation, so only regions that agree
+  on a cheap outline (equation count and input and output shapes) compute it."""
+  outline = lambda r: (len(runner.traced.regions[r].eqns),
+                       tuple(tuple((tuple(a.shape), str(a.dtype)) for a in avals)
+                             for avals in runner.avals(r)),
+                       tuple((tuple(a.shape), str(a.dtype)) for a in runner.out_avals(r)))
+  outlines: dict[tuple, list[int]] = {}
+  for r in regions:
+    outlines.setdefault(outline(r), []).append(r)
+  first: dict[int, int] = {}
+  for alike in outlines.values():
+    keys: dict[tuple, int] = {}
+    for r in alike:
+      first[r] = r if len(alike) == 1 else keys.setdefault(region_key(runner, r, remat), r)
+  return first
 
 
 class _Relabel:

@@ -295,6 +295,25 @@ def test_a_loop_on_one_device_costs_its_launches_and_holds_the_loss_cotangent():
 
 
 @pytest.mark.timeout(60)
+def test_regions_that_trace_alike_are_analysed_once(monkeypatch):
+  # A 4-stage GPT's middle stages trace alike: the planner analyses one of them, and each
+  # keeps the bytes its own analysis finds.
+  from piper_jax.lowering import analyze_region
+  from piper_jax.planner import costs
+  loss, params, batch = _gpt(4)
+  model = measure_model(loss, optax.adamw(1e-3), params, batch)
+  analysed = []
+  monkeypatch.setattr(costs, "analyze_region",
+                      lambda runner, r, remat: analysed.append(r) or analyze_region(runner, r, remat))
+  got = model.act_bytes(False)
+  assert sorted(analysed) == [0, 1, 3]
+  for r in model.spec.regions:
+    stored = analyze_region(model.runner, r.index, False).stored_avals
+    own = sum(a.size * a.dtype.itemsize for a in stored) + sum(x.spec.nbytes for x in r.inputs)
+    assert got[r.index] == own
+
+
+@pytest.mark.timeout(60)
 def test_accumulation_keeps_remats_residuals_and_the_weights_cast_once():
   # On one rank a microbatch's F and B run as one chain, compiled together: XLA redoes
   # elementwise values in the backward, so what stays is remat's residuals (XLA's
