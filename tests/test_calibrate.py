@@ -185,3 +185,20 @@ def test_train_script_ranks_by_measured_times(tmp_path, capsys):
                     "--data", "synthetic", "--calibrate", str(cache), "--quiet"])
   assert cache.exists() and "chosen: " in capsys.readouterr().out
   assert len(out["losses"]) == 1
+
+
+def test_regions_that_trace_alike_are_timed_once(tmp_path, monkeypatch):
+  # A 4-stage GPT's middle stages trace alike: one is analysed and timed, and the other
+  # takes its times.
+  cal = sys.modules["piper_jax.planner.calibrate"]
+  analysed, timed = [], []
+  analyze = cal.analyze_region
+  monkeypatch.setattr(cal, "analyze_region",
+                      lambda runner, r, remat: analysed.append(r) or analyze(runner, r, remat))
+  seconds = cal._seconds
+  monkeypatch.setattr(cal, "_seconds", lambda *a: timed.append(1) or seconds(*a))
+  loss, params, batch = _tiny(4)
+  times = pj.calibrate(loss, params, batch, rows=2, repeats=2, cache=tmp_path / "t.json")
+  assert analysed == [0, 1, 3] and len(timed) == 3 * 3  # F, F + B, F + BI per region
+  assert times.forward[2] == times.forward[1] and times.backward[2] == times.backward[1]
+  assert sorted(times.forward) == [0, 1, 2, 3]
