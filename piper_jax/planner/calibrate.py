@@ -31,7 +31,6 @@ import optax
 from piper_jax.lowering import (RegionRunner, analyze_region, backward_input, first_alike,
                                 full_residuals, region_backward, region_forward, split_backward,
                                 trace_loss)
-from piper_jax.lowering.regions import RegionAD
 
 __all__ = ["RegionTimes", "calibrate"]
 
@@ -257,7 +256,7 @@ def _time_regions(loss_fn: Callable, params: Any, example_batch: Any, rows: int,
   # A region that traces like an earlier one (a model's equal blocks) takes its analysis,
   # and with it its name: it is timed once.
   first = first_alike(runner, [spec.index for spec in regions], remat)
-  analysed: dict[int, RegionAD] = {}
+  analysed: dict = {}  # region -> its analysis
   for spec in regions:
     src = first[spec.index]
     analysed[spec.index] = analysed.get(src) or analyze_region(runner, spec.index, remat)
