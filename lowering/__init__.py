@@ -16,14 +16,14 @@ from piper_jax.lowering.options import LoweringOptions
 from piper_jax.lowering.program import Program, lowers_as_loop
 from piper_jax.lowering.regions import (analyze_region, backward_input, first_alike,
                                         full_residuals, region_backward, region_forward,
-                                        split_backward)
+                                        shared_analyses, split_backward)
 from piper_jax.lowering.schedule_table import ScheduleTable
 from piper_jax.lowering.scopes import RESERVED, enter_scope, parse_scope, reset_counters
 from piper_jax.lowering.trace import TracedLoss, check_leaf, trace_loss
 
 __all__ = [
     "Buffers", "LoweringOptions", "ParamLayout", "Program", "ScheduleTable", "TracedLoss",
-    "trace_loss", "check_leaf", "lowers_as_loop", "RegionRunner", "SplitAxis", "analyze_region", "first_alike", "region_forward",
+    "trace_loss", "check_leaf", "lowers_as_loop", "RegionRunner", "SplitAxis", "analyze_region", "first_alike", "shared_analyses", "region_forward",
     "region_backward", "backward_input", "full_residuals", "split_backward", "StepCollective",
     "collectives_table", "collectives_in_conditionals", "copies_in_branches", "distinct_kernels", "step_collectives", "packed_update_reason", "shard_map_unchecked",
     "RESERVED", "enter_scope", "parse_scope", "reset_counters",

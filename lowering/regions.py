@@ -23,7 +23,8 @@ import numpy as np
 from piper_jax.lowering.compat import ClosedJaxpr, Jaxpr, Literal, eval_eqns, read, wrapped_parts
 from piper_jax.lowering.local import RegionRunner
 
-__all__ = ["RegionAD", "analyze_region", "first_alike", "region_key", "relabel"]
+__all__ = ["RegionAD", "analyze_region", "first_alike", "region_key", "relabel",
+           "shared_analyses"]
 
 
 # Equations cheap enough to redo in B instead of storing their result per microbatch:
@@ -377,6 +378,17 @@ def first_alike(runner: RegionRunner, regions, remat: bool = False) -> dict[int,
     for r in alike:
       first[r] = r if len(alike) == 1 else keys.setdefault(region_key(runner, r, remat), r)
   return first
+
+
+def shared_analyses(runner: RegionRunner, regions, remat: bool = False) -> dict[int, RegionAD]:
+  """Each of `regions` -> its `analyze_region`, run once per group of regions that trace
+  alike (`first_alike`): the others of a group share its first region's. For what reads
+  only the analysis (stored bytes, timings); a lowering relabels it per region."""
+  first = first_alike(runner, regions, remat)
+  out: dict[int, RegionAD] = {}
+  for r in regions:
+    out[r] = out[first[r]] if first[r] != r else analyze_region(runner, r, remat)
+  return out
 
 
 class _Relabel:

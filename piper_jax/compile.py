@@ -566,8 +566,7 @@ class TrainStep:
     GPUs on other devices (`pj.compile(platform="gpu")`) is lowered for CUDA."""
     with _collector_paused():
       if self.platform == "gpu" and self.devices[0].platform != "gpu":
-        return self._step.trace(state, self._batch_leaves(batch)).lower(
-            lowering_platforms=("cuda",))
+        return self.trace(state, batch).lower(lowering_platforms=("cuda",))
       return self._step.lower(state, self._batch_leaves(batch))
 
   def memory(self) -> CompiledMemory:

@@ -192,8 +192,9 @@ def test_regions_that_trace_alike_are_timed_once(tmp_path, monkeypatch):
   # takes its times.
   cal = sys.modules["piper_jax.planner.calibrate"]
   analysed, timed = [], []
-  analyze = cal.analyze_region
-  monkeypatch.setattr(cal, "analyze_region",
+  from piper_jax.lowering import analyze_region, regions
+  analyze = analyze_region
+  monkeypatch.setattr(regions, "analyze_region",
                       lambda runner, r, remat: analysed.append(r) or analyze(runner, r, remat))
   seconds = cal._seconds
   monkeypatch.setattr(cal, "_seconds", lambda *a: timed.append(1) or seconds(*a))

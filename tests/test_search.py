@@ -298,12 +298,11 @@ def test_a_loop_on_one_device_costs_its_launches_and_holds_the_loss_cotangent():
 def test_regions_that_trace_alike_are_analysed_once(monkeypatch):
   # A 4-stage GPT's middle stages trace alike: the planner analyses one of them, and each
   # keeps the bytes its own analysis finds.
-  from piper_jax.lowering import analyze_region
-  from piper_jax.planner import costs
+  from piper_jax.lowering import analyze_region, regions
   loss, params, batch = _gpt(4)
   model = measure_model(loss, optax.adamw(1e-3), params, batch)
   analysed = []
-  monkeypatch.setattr(costs, "analyze_region",
+  monkeypatch.setattr(regions, "analyze_region",
                       lambda runner, r, remat: analysed.append(r) or analyze_region(runner, r, remat))
   got = model.act_bytes(False)
   assert sorted(analysed) == [0, 1, 3]

@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from piper_jax.lowering import (RegionRunner, analyze_region, backward_input, first_alike,
-                                full_residuals, region_backward, region_forward, split_backward,
-                                trace_loss)
+from piper_jax.lowering import (RegionRunner, backward_input, full_residuals, region_backward,
+                                region_forward, shared_analyses, split_backward, trace_loss)
 
 __all__ = ["RegionTimes", "calibrate"]
 
@@ -253,13 +252,9 @@ def _time_regions(loss_fn: Callable, params: Any, example_batch: Any, rows: int,
   forward, backward, inputs_only = {}, {}, {}
   key = jax.random.PRNGKey(0)
   regions = traced.spec.regions
-  # A region that traces like an earlier one (a model's equal blocks) takes its analysis,
+  # A region that traces like an earlier one (a model's equal blocks) shares its analysis,
   # and with it its name: it is timed once.
-  first = first_alike(runner, [spec.index for spec in regions], remat)
-  analysed: dict = {}  # region -> its analysis
-  for spec in regions:
-    src = first[spec.index]
-    analysed[spec.index] = analysed.get(src) or analyze_region(runner, spec.index, remat)
+  analysed = shared_analyses(runner, [spec.index for spec in regions], remat)
   ads = [analysed[spec.index] for spec in regions]
   names = [hashlib.sha256(repr((device.device_kind, rows, remat, _METHOD, str(ad.jaxpr))
                                ).encode()).hexdigest() for ad in ads]

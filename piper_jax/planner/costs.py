@@ -21,8 +21,8 @@ import optax
 from piper_jax.ir.directives import Directive
 from piper_jax.ir.pipeline import make_plan
 from piper_jax.ir.plan import Plan
-from piper_jax.lowering import (LoweringOptions, ParamLayout, RegionRunner, analyze_region,
-                                first_alike, lowers_as_loop, trace_loss)
+from piper_jax.lowering import (LoweringOptions, ParamLayout, RegionRunner, lowers_as_loop,
+                                shared_analyses, trace_loss)
 from piper_jax.planner.calibrate import RegionTimes
 from piper_jax.planner.hardware import Accelerator, target_card
 
@@ -233,16 +233,13 @@ class MeasuredModel:
     """Per region, the bytes its F keeps for B (residuals under `remat`, and its
     activation inputs, received from the region before or made on this device)."""
     if remat not in self._act_bytes:
-      per, stored = {}, {}
-      # Regions that trace alike (a model's equal blocks) store alike: one analysis each.
-      first = first_alike(self.runner, [r.index for r in self.spec.regions], remat)
+      # Regions that trace alike (a model's equal blocks) share one analysis.
+      ads = shared_analyses(self.runner, [r.index for r in self.spec.regions], remat)
+      per = {}
       for r in self.spec.regions:
-        src = first[r.index]
-        if src not in stored:
-          ad = analyze_region(self.runner, src, remat)
-          stored[src] = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
-                            for a in ad.stored_avals)
-        per[r.index] = int(stored[src]) + sum(x.spec.nbytes for x in r.inputs)
+        stored = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
+                     for a in ads[r.index].stored_avals)
+        per[r.index] = int(stored) + sum(x.spec.nbytes for x in r.inputs)
       self._act_bytes[remat] = per
     return self._act_bytes[remat]
 
