@@ -59,3 +59,44 @@ def test_phases_give_the_switchs_results_with_collectives_outside_it(index):
   cut, plain = (jax.make_jaxpr(step(c))(x, y, i).jaxpr for c in (True, False))
   assert sorted(set(collectives_in_conds(plain))) == ["all_gather", "psum"]
   assert collectives_in_conds(cut) == [] and "psum" in str(cut) and "all_gather" in str(cut)
+
+
+def test_an_operand_updated_before_a_cut_travels_as_itself_not_as_a_carried_value():
+  # A branch writes what it makes before its all-reduce into a buffer it was given (as
+  # a store row) and adds to a sum: the writes run in the first phase and the buffer
+  # and sum travel between the phases, so nothing made before the cut is handed on.
+  mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+  def idle(ops):
+    return ops["store"], ops["sum"]
+
+  def write_then_reduce(ops):
+    h = jnp.tanh(ops["x"] * 2.0)
+    store = lax.dynamic_update_slice(ops["store"], h.reshape(1, -1), (ops["row"], 0))
+    total = ops["sum"] + jnp.sum(h, axis=0)
+    return store, total + lax.psum(ops["x"], "tp").sum(axis=0)
+
+  branches = [idle, write_then_reduce]
+  seen = {}
+
+  def step(cut):
+    def body(x, store, total, row, i):
+      ops = {"x": x, "store": store, "sum": total, "row": row}
+      if not cut:
+        return lax.switch(i, branches, ops)
+      seen["phases"] = phases = Phases(branches, ops)
+      return phases.switch(i, ops)
+    return jax.jit(shard_map_unchecked(body, mesh, (P("tp"), P(), P(), P(), P()), (P(), P())))
+
+  # Large enough that the phase after the cut would not redo h from the operands.
+  x = jax.random.normal(jax.random.PRNGKey(3), (4096, 4))
+  store, total = jnp.zeros((3, 2048 * 4)), jnp.arange(4.0)
+  for i in (0, 1):
+    args = (x, store, total, jnp.int32(1), jnp.int32(i))
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                           step(True)(*args), step(False)(*args))
+  cut = seen["phases"].cut[1]
+  assert cut.carry == [[]]                       # h is not handed on
+  assert [len(v) for v in cut.versions] == [1, 2]
+  assert all(seg == 0 for v in cut.versions for seg, _ in v[:1])
+  assert len(seen["phases"]._threads) == 2
