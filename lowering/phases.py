@@ -15,15 +15,6 @@ starts later (its first phases are empty), so that every kind ends in the last p
 and returns what its whole branch returns. A collective runs on zeros where a slot's
 kind has nothing to send there: the devices of one collective share a pipeline rank and
 take the same branch, and the others' results are not read.
-
-A value a branch writes into a store is written in the phase that makes it: the stores
-travel from phase to phase as the switches' outputs (a kind that does not run passes
-them on), rather than the value being handed on to the branch's end in a position of
-its own, zero-filled in every slot. A later phase that reads a store row reads the
-updated store: a slot never reads a row it writes (a row is given to one value for the
-ticks it is live). Weight gradients are still added to their sums in the last phase
-(`early` chooses what travels): added where made as well, the tiny MoE's 1F1B x TP
-compiled 4 more kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -131,20 +122,12 @@ def _coll_key(entry: _Entry) -> tuple:
 @dataclasses.dataclass
 class _Cut:
   """A kind's branch as segments: `segments[s]` entries run in its s-th phase, then the
-  collectives `cuts[s]`; `carry[s]` the keys made up to cut s that later segments read;
-  `versions[j]`: per output j that updates an operand in place (see the module docstring), the
-  (segment, key) of each version it takes, in order."""
+  collectives `cuts[s]`; `carry[s]` the keys made up to cut s that later segments read."""
 
   flat: _Flat
   segments: list[list[_Entry]]
   cuts: list[list[_Entry]]
   carry: list[list[Hashable]]
-  versions: list[list[tuple[int, Hashable]]]
-
-  def current(self, j: int, s: int) -> Hashable | None:
-    """The key of output j's latest version made up to segment s, or None (the operand)."""
-    made = [k for seg, k in self.versions[j] if seg <= s]
-    return made[-1] if made else None
 
 
 # Equations a later phase redoes rather than receive their result, when they read only
@@ -154,15 +137,11 @@ _REDO = frozenset({"slice", "dynamic_slice", "squeeze", "reshape", "expand_dims"
 _SMALL = 1024  # elements: what any equation on the operands alone makes cheaply
 
 
-def _redoable(flat: _Flat, updates: set[int]) -> dict[Hashable, _Entry]:
-  """Keys made from the branch's operands alone by cheap equations -> their entry;
-  not an update of an operand in place (`updates`: ids of entries), which a later phase
-  would redo on the updated operand."""
+def _redoable(flat: _Flat) -> dict[Hashable, _Entry]:
+  """Keys made from the branch's operands alone by cheap equations -> their entry."""
   have = set(flat.inputs) | set(flat.consts)
   out: dict[Hashable, _Entry] = {}
   for e in flat.entries:
-    if id(e) in updates:
-      continue
     small = all(math.prod(k[1].aval.shape) <= _SMALL for k in e.outs)
     if (e.collective or e.eqn.effects or not (e.eqn.primitive.name in _REDO or small)
         or any(_jaxprs(e.eqn.params)) and not small):
@@ -172,88 +151,9 @@ def _redoable(flat: _Flat, updates: set[int]) -> dict[Hashable, _Entry]:
   return out
 
 
-def _versions(flat: _Flat, start: Hashable, end: Hashable) -> list[_Entry] | None:
-  """The entries that make operand `start` into output `end` step by step (each reads
-  the one before and makes a value of its shape and dtype: a row written into a store,
-  a gradient added to its sum), or None where there is no such chain."""
-  if start == end or isinstance(end, Literal):
-    return [] if start == end else None
-  reach = {start}
-  for e in flat.entries:
-    if any(k in reach for k in e.ins if not isinstance(k, Literal)):
-      reach.update(e.outs)
-  maker = {k: e for e in flat.entries for k in e.outs}
-  aval = _aval_key(end[1].aval)
-  chain, k = [], end
-  while k != start:
-    e = maker.get(k)
-    if e is None or e.collective or _aval_key(k[1].aval) != aval:
-      return None
-    chain.append(e)
-    prev = [x for x in e.ins if not isinstance(x, Literal) and x in reach
-            and _aval_key(x[1].aval) == aval]
-    if len(prev) != 1:
-      return None
-    k = prev[0]
-  return chain[::-1]
-
-
-def _hoist(flat: _Flat, segments: list[list[_Entry]], cuts: list[list[_Entry]], threads: list,
-           chains: list, redo: dict) -> list[list[tuple[int, Hashable]]]:
-  """Moves each in-place update of an operand (`_versions`) and what only feeds it to
-  the earliest segment that has its inputs, so that a value written into a store or
-  added to a gradient sum is not handed on to the branch's end; returns per output the
-  (segment, key) of its versions. A feeding equation runs with the update that reads it
-  (no earlier), so that it hands on no more than before."""
-  on_chain = {id(e) for c in chains if c for e in c}
-  readers: dict[Hashable, list[_Entry]] = {}
-  for e in flat.entries:
-    for k in e.ins:
-      if not isinstance(k, Literal):
-        readers.setdefault(k, []).append(e)
-  ends = {t[1] for t, c in zip(threads, chains) if c}
-  outputs = {k for k in flat.outputs if not isinstance(k, Literal)}
-  cone: set[int] = set()
-  for e in reversed(flat.entries):
-    if id(e) in on_chain or not (e.collective or e.eqn.effects or any(k in redo for k in e.outs)
-                                 or any(k in outputs for k in e.outs)):
-      if all(id(r) in cone for k in e.outs for r in readers.get(k, [])) and all(
-          k not in outputs or k in ends for k in e.outs):
-        cone.add(id(e))
-  if not cone:
-    return [[] for _ in threads]
-  seg_of = {id(e): s for s, seg in enumerate(segments) for e in seg}
-  avail: dict[Hashable, int] = {}
-  for s, seg in enumerate(segments):
-    for e in seg:
-      if id(e) not in cone:
-        avail.update((k, s) for k in e.outs)
-  for s, cut in enumerate(cuts):
-    for e in cut:
-      avail.update((k, s + 1) for k in e.outs)
-  asap: dict[int, int] = {}
-  for e in flat.entries:
-    if id(e) in cone:
-      asap[id(e)] = max([avail.get(k, 0) for k in e.ins if not isinstance(k, Literal)
-                         and k not in redo] + [0])
-      avail.update((k, asap[id(e)]) for k in e.outs)
-  at: dict[int, int] = {}
-  for e in reversed(flat.entries):
-    if id(e) in cone:
-      later = [at[id(r)] for k in e.outs for r in readers.get(k, [])]
-      at[id(e)] = asap[id(e)] if id(e) in on_chain or not later else min(later)
-  for s, seg in enumerate(segments):
-    segments[s] = [e for e in seg if id(e) not in cone]
-  for e in flat.entries:
-    if id(e) in cone and id(e) in seg_of:
-      segments[at[id(e)]].append(e)
-  return [[(at[id(e)], e.outs[0]) for e in c] if c else [] for c in chains]
-
-
-def _cut(flat: _Flat, threads: Sequence[tuple[Hashable, Hashable]] = ()) -> _Cut | None:
+def _cut(flat: _Flat) -> _Cut | None:
   """Segments between collectives (consecutive collectives that do not read each other
-  share a cut), or None where a collective sits inside a loop or conditional.
-  `threads`: per output, (the operand it updates, the output's key) or None."""
+  share a cut), or None where a collective sits inside a loop or conditional."""
   segments: list[list[_Entry]] = [[]]
   cuts: list[list[_Entry]] = []
   for e in flat.entries:
@@ -269,17 +169,11 @@ def _cut(flat: _Flat, threads: Sequence[tuple[Hashable, Hashable]] = ()) -> _Cut
     else:
       cuts.append([e])
       segments.append([])
-  threads = list(threads)
-  chains = [_versions(flat, *t) if t else None for t in threads]
-  redo = _redoable(flat, {id(e) for c in chains if c for e in c})
-  versions = _hoist(flat, segments, cuts, threads, chains, redo)
-  threaded = {k for vs in versions for _, k in vs} | {t[0] for t, vs in zip(threads, versions)
-                                                        if vs}
+  redo = _redoable(flat)
   reads = lambda e: [k for k in e.ins if not isinstance(k, Literal)]
   order = {id(e): n for n, e in enumerate(flat.entries)}
-  # Each segment first redoes the operands-only values it reads but did not make (the
-  # first one too: an update moved into it may read one made later).
-  for s in range(len(segments)):
+  # Each later segment first redoes the operands-only values it reads but did not make.
+  for s in range(1, len(segments)):
     made = {k for e in segments[s] for k in e.outs}
     want = [k for e in segments[s] + (cuts[s] if s < len(cuts) else []) for k in reads(e)]
     if s == len(segments) - 1:
@@ -309,11 +203,10 @@ def _cut(flat: _Flat, threads: Sequence[tuple[Hashable, Hashable]] = ()) -> _Cut
   for k in flat.outputs:
     if not isinstance(k, Literal):
       last[k] = end
-  # Every reader of a redoable value after its segment redoes it, and an operand updated
-  # in place travels as that operand: neither is carried.
-  carry = [[k for k in made if k not in redo and k not in threaded and made[k] <= 2 * s
-            and last.get(k, -1) > 2 * s + 1] for s in range(len(cuts))]
-  return _Cut(flat, segments, cuts, carry, versions)
+  # Every reader of a redoable value after its segment redoes it: it is never carried.
+  carry = [[k for k in made if k not in redo and made[k] <= 2 * s and last.get(k, -1) > 2 * s + 1]
+           for s in range(len(cuts))]
+  return _Cut(flat, segments, cuts, carry)
 
 
 def _positions(per_kind: Sequence[list]) -> list:
@@ -342,39 +235,21 @@ def _place(positions: list, items: list) -> list[int]:
 class Phases:
   """The branches of one `lax.switch` as phases (see the module docstring).
 
-  branches: the switch's branches (index 0 the idle one, never cut, which returns
-  operands as they came); ops: the operands one slot passes them (tracers of the step),
-  from which each branch is traced once; early: of what the idle branch returns, the
-  operands a kind may update in the phase that makes the update (see the module
-  docstring), by default all.
+  branches: the switch's branches (index 0 the idle one, never cut); ops: the operands
+  one slot passes them (tracers of the step), from which each branch is traced once.
   """
 
-  def __init__(self, branches: Sequence[Callable], ops, early: Callable[[Any], Any] = lambda out: out):
+  def __init__(self, branches: Sequence[Callable], ops):
     self.branches = list(branches)
     self.cut: dict[int, _Cut] = {}
     self.out_tree = None
-    self._ops_tree = jax.tree_util.tree_structure(ops)
-    # The idle branch returns operands as they came: output j is operand through[j]
-    # updated, which a kind may update before its last phase where `early` selects it.
-    index = jax.tree_util.tree_unflatten(self._ops_tree, list(range(self._ops_tree.num_leaves)))
-    idle = self.branches[0](index)
-    chosen = set(jax.tree_util.tree_leaves(early(idle)))
-    through = [i if isinstance(i, int) and i in chosen else None
-               for i in jax.tree_util.tree_leaves(idle)]
     for i, fn in enumerate(self.branches[1:], 1):
       closed, shape = jax.make_jaxpr(fn, return_shape=True)(ops)
       self.out_tree = jax.tree_util.tree_structure(shape)
       flat = _Flat(closed)
-      threads = [(flat.inputs[o], k) if o is not None and through.count(o) == 1 else None
-                 for o, k in zip(through, flat.outputs)] if len(through) == len(flat.outputs) else []
-      if any(e.collective for e in flat.entries) and (cut := _cut(flat, threads)) is not None:
+      if any(e.collective for e in flat.entries) and (cut := _cut(flat)) is not None:
         self.cut[i] = cut
     self.n = 1 + max([len(c.cuts) for c in self.cut.values()] + [0])
-    # Operands some kind updates before its last phase travel from phase to phase as the
-    # switches' outputs: per such operand, the output that returns it.
-    early = {j for c in self.cut.values() for j, vs in enumerate(c.versions)
-             if any(seg < len(c.segments) - 1 for seg, _ in vs)}
-    self._threads = sorted((through[j], j) for j in early)
     # Per cut of the slot (n - 1 of them): the collective positions and, per position,
     # a representative equation.
     self._coll_pos: list[list[tuple]] = []
@@ -418,21 +293,17 @@ class Phases:
     """Kind i's branch in `phase`: (collective operands, carried values) at the cut
     after it, or in the last phase what the whole branch returns."""
     last = phase == self.n - 1
-    operands = lambda ops: [jax.tree_util.tree_leaves(ops)[o] for o, _ in self._threads]
     if i not in self.cut or self._segment(i, phase) < 0:
       if last:
         return lambda x: self.branches[i](x[0])
-      return lambda x: (self._coll_zeros(phase), x[1], operands(x[0]))
+      return lambda x: (self._coll_zeros(phase), x[1])
     cut = self.cut[i]
 
     def run(x):
       ops, carried, colls = x
       s = self._segment(i, phase)
       env = dict(cut.flat.consts)
-      leaves = jax.tree_util.tree_leaves(ops)
-      env.update(zip(cut.flat.inputs, leaves))
-      for o, j in self._threads:  # versions made in earlier phases: the operand as it came
-        env.update((k, leaves[o]) for seg, k in cut.versions[j] if seg < s)
+      env.update(zip(cut.flat.inputs, jax.tree_util.tree_leaves(ops)))
       if s > 0:
         keys = cut.carry[s - 1]
         env.update((k, carried[p]) for k, p in zip(keys, self._places(keys)))
@@ -452,8 +323,7 @@ class Phases:
       out = list(carried)
       for k, p in zip(cut.carry[s], self._places(cut.carry[s])):
         out[p] = read(k)
-      now = [cut.current(j, s) for _, j in self._threads]
-      return coll, out, [read(k) if k is not None else v for k, v in zip(now, operands(ops))]
+      return coll, out
 
     return run
 
@@ -463,11 +333,7 @@ class Phases:
     carried, colls = self._empty_carry(), []
     for phase in range(self.n - 1):
       fns = [self._phase_fn(i, phase) for i in range(len(self.branches))]
-      coll, carried, updated = lax.switch(index, fns, (ops, carried, colls))
+      coll, carried = lax.switch(index, fns, (ops, carried, colls))
       colls = [bind(e.eqn, vals) for e, vals in zip(self._rep[phase], coll)]
-      leaves = jax.tree_util.tree_leaves(ops)
-      for (o, _), x in zip(self._threads, updated):
-        leaves[o] = x
-      ops = jax.tree_util.tree_unflatten(self._ops_tree, leaves)
     fns = [self._phase_fn(i, self.n - 1) for i in range(len(self.branches))]
     return lax.switch(index, fns, (ops, carried, colls))

@@ -372,7 +372,7 @@ class TickLoop:
     if not self.cuts_at_collectives:
       return lax.switch(index, branches, ops)
     if self.phases is None:
-      self.phases = Phases(branches, ops, early=lambda carry: carry.stores)
+      self.phases = Phases(branches, ops)
     return self.phases.switch(index, ops)
 
   # -- the loop -------------------------------------------------------------
