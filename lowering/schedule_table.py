@@ -246,8 +246,13 @@ def build_table(ticks: Sequence[Sequence[Sequence[Any]]], reads: Callable[[Any],
   groups, first_task = _group_tasks(ticks, reads, produces)
   derived = _regrouped(groups, reads, made_from)
 
+  store: dict[Hashable, int] = {}   # each key's store, looked up once (16k lookups at 32 microbatches)
+
   def store_of(key) -> int:
-    return sigs.setdefault((tuple(signature(key)), key in derived), len(sigs))
+    st = store.get(key)
+    if st is None:
+      st = store[key] = sigs.setdefault((tuple(signature(key)), key in derived), len(sigs))
+    return st
 
   kind_list, first, task = _task_kinds(groups, first_task, reads, produces, store_of,
                                        set(derived.values()))

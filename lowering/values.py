@@ -33,6 +33,18 @@ class ValueKey:
   region: int
   mb: int
   index: int
+  # Hashed once: a plan's table looks keys up 100k times at 32 microbatches, and an
+  # enum's hash runs in Python.
+  _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "_hash", hash((self.kind.value, self.region, self.mb, self.index)))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __reduce__(self):  # rebuilt, so that a copy in another process hashes there
+    return (ValueKey, (self.kind, self.region, self.mb, self.index))
 
   def __str__(self) -> str:
     return f"{self.kind.value}:r{self.region}:mb{self.mb}:{self.index}"
