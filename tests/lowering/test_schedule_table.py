@@ -303,3 +303,17 @@ def test_a_value_regrouped_from_a_value_nobody_makes_is_refused():
   ticks = [[[T(1, Pass.F, 0)]]]
   with pytest.raises(ValueError, match="no task makes it"):
     build_table(ticks, ep_reads, ep_produces, ep_signature, ep_made_from)
+
+
+def test_value_keys_compare_sort_and_hash_by_their_fields_after_a_copy():
+  # Keys are hashed once when made (the table looks them up 100k times); a copy, in this
+  # process or another, is rebuilt and hashes there.
+  import copy
+  import pickle
+  from piper_jax.lowering.values import ValueKey, ValueKind
+  a, b = ValueKey(ValueKind.RES, 1, 2, 3), ValueKey(ValueKind.ACT, 1, 2, 3)
+  for other in (pickle.loads(pickle.dumps(a)), copy.copy(a), copy.deepcopy(a),
+                dataclasses.replace(b, kind=ValueKind.RES)):
+    assert other == a and hash(other) == hash(a) and {a: 1}[other] == 1
+  assert a != b and sorted([a, b]) == [b, a] and str(a) == "res:r1:mb2:3"
+  assert a.as_kind(ValueKind.ACT) == b and hash(a.as_kind(ValueKind.ACT)) == hash(b)
