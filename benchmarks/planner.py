@@ -51,6 +51,12 @@ import run  # noqa: E402  (also puts the repository root on the path, for exampl
 
 # ---- estimate ---------------------------------------------------------------------------
 
+def _microbatches(meta: dict, row: dict) -> int:
+  """A row's microbatch count: the call's, or the row's own where the call compiled
+  several (`run.py --compile-only --microbatches 4,32`)."""
+  return row["microbatches"] if isinstance(meta["microbatches"], list) else meta["microbatches"]
+
+
 def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_len: int = 0,
                    layers: int = 0):
   """(`CostModel` with matmuls at the FLOP/s a call's plain-JAX baseline reached (the
@@ -72,7 +78,8 @@ def baseline_costs(rows: list[dict], link_bytes_per_s: float, meta: dict, seq_le
   costs = pj.strategies.CostModel(link_bytes_per_s=link_bytes_per_s,
                                   memory_bytes_per_s=pj.planner.accelerator(base["device_kind"]).memory_bytes_per_s)
   config, net, _ = run.build(base["variant"], base["model"], base["devices"],
-                             meta["microbatches"], meta.get("pp", 2), attention="xla+remat",
+                             _microbatches(meta, base), meta.get("pp", 2),
+                             attention="xla+remat",
                              seq_len=meta.get("seq_len") or seq_len,
                              layers=meta.get("layers") or layers)
   family = run.step_family(base["model"])
@@ -127,7 +134,8 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
     # cuDNN's fused attention keeps no T x T scores; traced on a CPU, XLA's attention
     # recomputed in the backward keeps the same values.
     attention = "xla+remat" if r.get("attention", "cudnn") == "cudnn" else r["attention"]
-    config, net, directives = run.build(variant, model, n, meta["microbatches"], pp,
+    microbatches = _microbatches(meta, r)
+    config, net, directives = run.build(variant, model, n, microbatches, pp,
                                         attention=attention,
                                         seq_len=meta.get("seq_len") or seq_len,
                                         layers=meta.get("layers") or layers)
@@ -146,7 +154,7 @@ def predict(path: str, link_bytes_per_s: float, seq_len: int = 0, layers: int = 
     timed_ms = None
     if calibrate:
       # Time what the row ran: its attention, its microbatch rows, remat as compiled.
-      _, timed_net, _ = run.build(variant, model, n, meta["microbatches"], pp,
+      _, timed_net, _ = run.build(variant, model, n, microbatches, pp,
                                   attention=r.get("attention"),
                                   seq_len=meta.get("seq_len") or seq_len,
                                   layers=meta.get("layers") or layers)

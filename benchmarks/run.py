@@ -8,6 +8,8 @@
       --variants jit-dp,pp-1f1b    # an 8-GPU program compiled (not run) on one GPU
   python benchmarks/run.py --small --compile-only --repeat 3 --model moe --variants shmap-dp,pp-1f1b+ep
                                    # the fastest of 3 compiles each, taken in turn
+  python benchmarks/run.py --small --compile-only --repeat 3 --model moe --microbatches 4,32 \\
+      --variants shmap-dp,pp-1f1b+ep   # both microbatch counts in each turn
 
 Variants. Plain-JAX baselines: `jit-dp` (jax.jit data parallel), `gspmd-fsdp` (every
 leaf's largest divisible dimension sharded over all devices), `shmap-dp` (data parallel
@@ -67,7 +69,9 @@ compile time follows, without the time's drift). With `--mock-gpus N`, JAX's
 mock GPU topology makes this process see N GPUs of N processes, so one GPU compiles the
 program one of N runs, autotuning locally. `--build-only` times `pj.compile`'s build
 alone (`build_s`: tracing, planning, region analysis), each in a fresh process as a user's
-first build runs; with `--repeat N`, the fastest of N.
+first build runs; with `--repeat N`, the fastest of N. Given several microbatch counts
+(`--microbatches 4,32`), each turn compiles every variant at each count, so that the
+counts see the same drift; each row's ratio is against its baseline at its own count.
 """
 
 from __future__ import annotations
@@ -145,6 +149,18 @@ def baseline_row(rows_by_key: dict, variant: str, model: str, baseline_of=None):
     name = "gspmd-fsdp" + name[len("jit-dp"):]
     row = rows_by_key.get((model, name))
   return name, row
+
+
+def _counts(text: str) -> list[int]:
+  """--microbatches: "4,32" -> [4, 32]."""
+  try:
+    counts = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: give a count or a comma list of counts, "
+                                     f"such as 8 or 4,32") from None
+  if min(counts) < 1 or len(set(counts)) < len(counts):
+    raise argparse.ArgumentTypeError(f"{text!r}: counts are positive and each given once")
+  return counts
 
 
 def split_variant(variant: str) -> tuple[str, list[str]]:
@@ -760,19 +776,26 @@ def table(rows, baseline_of=BASELINE_OF) -> str:
 def compile_table(rows, baseline_of=BASELINE_OF) -> str:
   """A markdown table of `--compile-only` rows; the ratio is build + XLA seconds over the
   baseline's."""
-  lines = ["| model | variant | devices | build s | XLA s | vs baseline | XLA GiB | kernels "
-           "| collectives in conditionals | MiB copied in a branch |", "|" + "---|" * 10]
-  base = {(r["model"], r["variant"]): r for r in rows if "error" not in r}
+  lines = ["| model | variant | devices | mb | build s | XLA s | vs baseline | XLA GiB | kernels "
+           "| collectives in conditionals | MiB copied in a branch |", "|" + "---|" * 11]
+  # Rows of several microbatch counts each have their baseline at their own count.
+  counted = len({r.get("microbatches") for r in rows if r.get("variant") not in BASELINES}) > 1
+  at = lambda r: r.get("microbatches") if counted else None
+  base: dict = {}
+  for r in rows:
+    if "error" not in r:
+      base.setdefault(at(r), {})[(r["model"], r["variant"])] = r
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['model']} | {r['variant']} | | {r['error']} | | | | | | |")
+      lines.append(f"| {r['model']} | {r['variant']} | | {r.get('microbatches', '')} | "
+                   f"{r['error']} | | | | | | |")
       continue
-    name, b = baseline_row(base, r["variant"], r["model"], baseline_of)
+    name, b = baseline_row(base[at(r)], r["variant"], r["model"], baseline_of)
     total = lambda x: x["build_s"] + x["compile_s"]
     ratio = f"{total(r) / total(b):.2f}x {name}" if b else "-"
     copied = f"{r['branch_copy_mib']:.1f}" if "branch_copy_mib" in r else "-"
-    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | {r['build_s']:.1f} | "
-                 f"{r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} | {r.get('kernels', '-')} | "
+    lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | "
+                 f"{r.get('microbatches', '-')} | {r['build_s']:.1f} | {r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} | {r.get('kernels', '-')} | "
                  f"{r.get('collectives_in_conditionals', '-')} | {copied} |")
   return "\n".join(lines)
 
@@ -800,8 +823,9 @@ def main(argv=None):
   ap.add_argument("--variants", default=",".join(BASELINES + PIPER))
   ap.add_argument("--batch", type=int, default=None,
                   help="global batch (sequences; default 16, with --small 4 rows per microbatch)")
-  ap.add_argument("--microbatches", type=int, default=None,
-                  help="microbatches of the pipelines (default 8; with --small 2 x --pp, at least 4)")
+  ap.add_argument("--microbatches", type=_counts, default=None,
+                  help="microbatches of the pipelines (default 8; with --small 2 x --pp, at least "
+                       "4); with --compile-only, a comma list compiles each variant at each")
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
@@ -845,6 +869,10 @@ def main(argv=None):
                      "add --compile-only (or --build-only)")
   if args.repeat > 1 and not args.compile_only:
     raise ValueError("--repeat compiles each variant again: add --compile-only (or --build-only)")
+  counts = args.microbatches or []
+  if len(counts) > 1 and (not args.compile_only or args.child):
+    raise ValueError("several --microbatches compile each variant at each count: add "
+                     "--compile-only (or --build-only), or run one count per command")
   if args.compile_only and args.max_batch:
     raise ValueError("--max-batch finds the batch that runs out of memory running: "
                      "drop --compile-only (or --build-only)")
@@ -853,10 +881,11 @@ def main(argv=None):
              else "qwen3-tiny" if args.model.startswith("qwen3")
              else "moe-tiny" if args.model.startswith("moe") else "tiny")
     args.model, args.steps, args.warmup = model, 2, 1
-    args.microbatches = args.microbatches or max(4, 2 * args.pp)
+    counts = counts or [max(4, 2 * args.pp)]
     # Default: a row per microbatch on every device.
-    args.batch = args.batch or max(16, args.microbatches * 4)
-  args.microbatches = args.microbatches or 8
+    args.batch = args.batch or max(16, max(counts) * 4)
+  counts = counts or [8]
+  args.microbatches = counts[0]
   args.batch = args.batch or 16
   for v in args.variants.split(","):
     base, mods = split_variant(v)
@@ -893,12 +922,17 @@ def main(argv=None):
   tries: dict[tuple, list] = {}
   for model in args.model.split(","):
     for _ in range(args.repeat):
-      for variant in args.variants.split(","):
-        row = (_largest_batch(args, variant, model) if args.max_batch
-               else _child(args, variant, model))
-        tries.setdefault((model, variant), []).append(row)
-        print(json.dumps(row), flush=True)
+      for k in counts:
+        at_k = argparse.Namespace(**{**vars(args), "microbatches": k})
+        for variant in args.variants.split(","):
+          row = (_largest_batch(at_k, variant, model) if args.max_batch
+                 else _child(at_k, variant, model))
+          if len(counts) > 1:
+            row["microbatches"] = k  # a baseline's row too: its ratio's count
+          tries.setdefault((model, variant, k), []).append(row)
+          print(json.dumps(row), flush=True)
   rows = [fastest(rs) for rs in tries.values()]
+  args.microbatches = counts if len(counts) > 1 else counts[0]  # the results' meta
   import jax
   if args.build_only:
     write_results(args, rows, "build", jax=jax.__version__, mock_gpus=args.mock_gpus)

@@ -366,6 +366,13 @@ def test_planner_estimates_expert_parallel_rows(tmp_path):
   (p,) = planner.predict(str(raw), 300e9)
   assert p["measured_gib"] == 0.07 and p["measured_ms"] is None and p["predicted_ms"] is None
   assert p["predicted_gib"] == out["pp-1f1b+ep"]["predicted_gib"]
+  # A file of several microbatch counts (run.py --microbatches 4,8): each row its own.
+  raw.write_text(json.dumps({"meta": {"batch": 8, "microbatches": [8, 4], "pp": 2},
+                             "rows": [{"variant": "pp-1f1b+ep", "model": "qwen3-moe-tiny",
+                                       "devices": 4, "xla_gib": 0.07, "attention": "xla",
+                                       "microbatches": 4}]}))
+  (p,) = planner.predict(str(raw), 300e9)
+  assert p["predicted_gib"] == out["pp-1f1b+ep"]["predicted_gib"]
   # --stacked: rows that ran with uneven slots stacked over the ranks, each rank padded
   # to the largest, not spread over all devices (stages of 6 and 2 blocks).
   raw.write_text(json.dumps({"meta": {"batch": 8, "microbatches": 4, "pp": 2},
@@ -469,3 +476,36 @@ def test_repeated_compiles_keep_each_variants_fastest(monkeypatch, tmp_path):
   assert tp["error"] == "out of memory"
   with pytest.raises(ValueError, match="add --compile-only"):
     run.main(["--small", "--repeat", "2", "--variants", "jit-dp"])
+
+
+def test_several_microbatch_counts_compile_in_each_turn(monkeypatch, tmp_path):
+  # --microbatches 4,32 with --compile-only: each turn compiles every variant at each
+  # count, so that both counts see the same drift; a row's ratio is against its
+  # baseline at its own count.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import run
+  xla = {("shmap-dp", 4): iter([2.0, 3.0]), ("pp-1f1b+ep", 4): iter([3.0, 2.9]),
+         ("shmap-dp", 32): iter([4.0, 3.0]), ("pp-1f1b+ep", 32): iter([5.0, 4.5])}
+  order = []
+
+  def child(args, variant, model):
+    order.append((variant, args.microbatches))
+    row = {"variant": variant, "model": model, "devices": 8, "build_s": 0.5,
+           "compile_s": next(xla[variant, args.microbatches]), "xla_gib": 0.1}
+    return row if variant.startswith("shmap") else {**row, "microbatches": args.microbatches}
+
+  monkeypatch.setattr(run, "_child", child)
+  rows = run.main(["--small", "--compile-only", "--repeat", "2", "--model", "moe", "--batch", "128",
+                   "--microbatches", "4,32", "--variants", "shmap-dp,pp-1f1b+ep",
+                   "--out", str(tmp_path / "c.json")])
+  assert order == [("shmap-dp", 4), ("pp-1f1b+ep", 4), ("shmap-dp", 32), ("pp-1f1b+ep", 32)] * 2
+  assert [(r["variant"], r["microbatches"], r["compile_s"]) for r in rows] == [
+      ("shmap-dp", 4, 2.0), ("pp-1f1b+ep", 4, 2.9), ("shmap-dp", 32, 3.0), ("pp-1f1b+ep", 32, 4.5)]
+  text = run.compile_table(rows)
+  assert "| moe-tiny | pp-1f1b+ep | 8 | 4 | 0.5 | 2.9 | 1.36x shmap-dp |" in text  # 3.4 / 2.5
+  assert "| moe-tiny | pp-1f1b+ep | 8 | 32 | 0.5 | 4.5 | 1.43x shmap-dp |" in text  # 5.0 / 3.5
+  assert json.load(open(tmp_path / "c.json"))["meta"]["microbatches"] == [4, 32]
+  with pytest.raises(ValueError, match="add --compile-only"):
+    run.main(["--small", "--microbatches", "4,32", "--variants", "pp-1f1b"])
+  with pytest.raises(SystemExit):  # argparse's own message names the comma list
+    run.main(["--small", "--compile-only", "--microbatches", "4,x", "--variants", "pp-1f1b"])
