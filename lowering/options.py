@@ -55,8 +55,38 @@ class LoweringOptions:
   compiler_options: Mapping[str, object] | None = None
 
   def __post_init__(self):
+    # A wrong type would pass silently (any string is true) or fail deep in the lowering.
+    for name in ("cast_weights", "shard_masters", "spread_uneven_slots", "zero3_reshard"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"LoweringOptions.{name} must be True or False, got "
+                        f"{getattr(self, name)!r}")
+    if self.remat is not None and not isinstance(self.remat, bool):
+      raise TypeError(f"LoweringOptions.remat must be True, False or None (None: on in "
+                      f"pipelines only), got {self.remat!r}")
+    if self.slot_bytes is not None and (isinstance(self.slot_bytes, bool)
+                                        or not isinstance(self.slot_bytes, int)):
+      raise TypeError(f"LoweringOptions.slot_bytes must be a number of bytes (an int, such "
+                      f"as 64 << 20) or None, got {self.slot_bytes!r}")
     if self.slot_bytes is not None and self.slot_bytes < 1:
       raise ValueError(f"slot_bytes must be >= 1, got {self.slot_bytes}")
+    if self.compiler_options is not None and not (
+        isinstance(self.compiler_options, Mapping)
+        and all(isinstance(k, str) for k in self.compiler_options)):
+      raise TypeError(f"LoweringOptions.compiler_options must be a dict of XLA option "
+                      f"names to values (such as {{'xla_gpu_enable_command_buffer': ''}}), "
+                      f"{{}} or None, got {self.compiler_options!r}")
+
+  @staticmethod
+  def checked(options) -> "LoweringOptions":
+    """`options`, or the defaults for None; anything else is refused with the fix."""
+    if options is None:
+      return LoweringOptions()
+    if not isinstance(options, LoweringOptions):
+      fix = (f"pj.LoweringOptions({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+             if isinstance(options, Mapping) else "pj.LoweringOptions(...)")
+      raise TypeError(f"options must be a pj.LoweringOptions, got {type(options).__name__} "
+                      f"{options!r}: pass {fix}")
+    return options
 
   def resolved(self, n_pp: int, platform: str, n_devices: int | None = None
                ) -> "LoweringOptions":

@@ -195,7 +195,7 @@ class TrainStep:
     self.plan: Plan = plan
     self.batch_size = traced.spec.batch_size * pm.n_data * plan.n_microbatches
     self._traced = traced
-    options = (options or LoweringOptions()).resolved(
+    options = LoweringOptions.checked(options).resolved(
         pm.n_pp, self.platform, sum(len(g) for g in pm.groups))
     self.options: LoweringOptions = options
     self._layout = layout = ParamLayout(traced.spec, plan, traced.param_casts(), options)
@@ -700,7 +700,7 @@ def compile(loss_fn: Callable, optimizer: optax.GradientTransformation, directiv
   """
   given = {k: v for k, v in (("remat", remat), ("compiler_options", compiler_options))
            if v is not None}
-  options = dataclasses.replace(options or LoweringOptions(), **given)
+  options = dataclasses.replace(LoweringOptions.checked(options), **given)
   with _collector_paused():
     return TrainStep(loss_fn, optimizer, directives, params, example_batch, devices, options,
                      has_aux, platform)

@@ -93,6 +93,18 @@ def test_each_device_holds_an_even_share_of_uneven_stages(directives):
   assert sum(held.values()) <= state_bytes * 1.1 + 4096
 
 
+def test_stacked_slots_and_xlas_own_options_give_one_devices_numbers():
+  # Uneven stages stacked over the ranks, each padded to the largest (not spread), and
+  # XLA's default options in place of piper-jax's: the numbers of one device.
+  loss, params = _uneven()
+  step, _ = assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "dualpipev", dp=2, zero=1),
+                            batch_size=8, options=pj.LoweringOptions(spread_uneven_slots=False))
+  assert not step.layout.spread
+  step, _ = assert_same_run(loss, params, pj.strategies.pipeline(4, 4, "interleaved", dp=2),
+                            batch_size=8, options=pj.LoweringOptions(compiler_options={}))
+  assert step.options.compiler_options == {}
+
+
 def test_spread_slots_give_one_devices_numbers():
   loss, params = _uneven()
   spread = pj.LoweringOptions()  # spread_uneven_slots, the default

@@ -472,6 +472,25 @@ def test_lowering_options_are_one_argument():
     pj.LoweringOptions(slot_bytes=0)
 
 
+def test_options_of_the_wrong_type_are_refused_with_the_fix():
+  # A dict for options, or a string for a switch (which would pass as true), is refused
+  # before anything is traced, naming what to pass instead.
+  loss, params = _mlp(2)
+  with pytest.raises(TypeError, match=r"pass pj\.LoweringOptions\(remat=True\)"):
+    pj.compile(loss, optax.sgd(0.1), pj.strategies.pipeline(2, 2), params, _batch(),
+               options={"remat": True})
+  with pytest.raises(TypeError, match=r"pass pj\.LoweringOptions\(slot_bytes=1024\)"):
+    pj.strategies.estimate(loss, optax.sgd(0.1), params, _batch(), pj.strategies.data_parallel(2),
+                           2, options={"slot_bytes": 1024})
+  for bad, says in [(dict(remat="no"), "remat must be True, False or None"),
+                    (dict(spread_uneven_slots=1), "spread_uneven_slots must be True or False"),
+                    (dict(slot_bytes="1MB"), "slot_bytes must be a number of bytes"),
+                    (dict(compiler_options=["xla_cpu_enable_fast_math"]),
+                     "compiler_options must be a dict of XLA option names")]:
+    with pytest.raises(TypeError, match=says):
+      pj.LoweringOptions(**bad)
+
+
 @pytest.mark.parametrize("directives,traces", [
     (pj.strategies.pipeline(2, 4, "1f1b", dp=2), 1),
     (pj.strategies.data_parallel(4), 1),

@@ -606,8 +606,8 @@ def estimate(loss_fn: Callable, optimizer: optax.GradientTransformation, params:
     ValueError: for directives that do not plan.
   """
   model = measure_model(loss_fn, optimizer, params, example_batch)
+  options = LoweringOptions.checked(options)
   plan = make_plan(model.spec, list(directives), n_devices, global_batch=model.batch_size)
-  options = options or LoweringOptions()
   if remat is not None:
     options = dataclasses.replace(options, remat=remat)
   options = options.resolved(plan.mesh.n_pp, "gpu")
