@@ -107,13 +107,18 @@ def test_gpt_zero_bubble_4_stages(monkeypatch):
   assert_same_run(loss, params, pj.strategies.pipeline(4, 2, "zb"), batch_size=4, tx=tx)
 
 
-def test_gpt_remat_zero_bubble(monkeypatch):
-  # remat=True: B, BI and BW recompute elementwise residuals from the values F stores
-  # in their place; the same run as one device in fp32.
+@pytest.mark.parametrize("directives,batch_size", [
+    (pj.strategies.pipeline(2, 2, "zb"), 4),
+    ([pj.split(4)] + pj.strategies.data_parallel(2, zero=1), 8),  # off here by default
+], ids=["zb", "accumulation-dp2"])
+def test_gpt_remat(directives, batch_size, monkeypatch):
+  # remat=True: B (ZB's BI and BW) recompute elementwise residuals from the values F
+  # stores in their place; the same run as one device in fp32.
   config, loss, params = _gpt(2)
   import models
   monkeypatch.setattr(models, "random_batch", _batches(config))
-  assert_same_run(loss, params, pj.strategies.pipeline(2, 2, "zb"), batch_size=4, remat=True)
+  step, _ = assert_same_run(loss, params, directives, batch_size=batch_size, remat=True)
+  assert step.options.remat is True
 
 
 def test_train_example_runs():
