@@ -795,7 +795,8 @@ def compile_table(rows, baseline_of=BASELINE_OF) -> str:
     ratio = f"{total(r) / total(b):.2f}x {name}" if b else "-"
     copied = f"{r['branch_copy_mib']:.1f}" if "branch_copy_mib" in r else "-"
     lines.append(f"| {r['model']} | {r['variant']} | {r['devices']} | "
-                 f"{r.get('microbatches', '-')} | {r['build_s']:.1f} | {r['compile_s']:.1f} | {ratio} | {r['xla_gib']:.2f} | {r.get('kernels', '-')} | "
+                 f"{r.get('microbatches', '-')} | {r['build_s']:.1f} | {r['compile_s']:.1f} | "
+                 f"{ratio} | {r['xla_gib']:.2f} | {r.get('kernels', '-')} | "
                  f"{r.get('collectives_in_conditionals', '-')} | {copied} |")
   return "\n".join(lines)
 
