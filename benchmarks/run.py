@@ -778,8 +778,10 @@ def compile_table(rows, baseline_of=BASELINE_OF) -> str:
   baseline's."""
   lines = ["| model | variant | devices | mb | build s | XLA s | vs baseline | XLA GiB | kernels "
            "| collectives in conditionals | MiB copied in a branch |", "|" + "---|" * 11]
-  # Rows of several microbatch counts each have their baseline at their own count.
-  counted = len({r.get("microbatches") for r in rows if r.get("variant") not in BASELINES}) > 1
+  # Rows of several microbatch counts (each row, baselines too, carries its count) each
+  # have their baseline at their own count.
+  counted = (all("microbatches" in r for r in rows)
+             and len({r["microbatches"] for r in rows}) > 1)
   at = lambda r: r.get("microbatches") if counted else None
   base: dict = {}
   for r in rows:

@@ -505,6 +505,12 @@ def test_several_microbatch_counts_compile_in_each_turn(monkeypatch, tmp_path):
   assert "| moe-tiny | pp-1f1b+ep | 8 | 4 | 0.5 | 2.9 | 1.36x shmap-dp |" in text  # 3.4 / 2.5
   assert "| moe-tiny | pp-1f1b+ep | 8 | 32 | 0.5 | 4.5 | 1.43x shmap-dp |" in text  # 5.0 / 3.5
   assert json.load(open(tmp_path / "c.json"))["meta"]["microbatches"] == [4, 32]
+  # One count: a baseline's row has none, and a suffixed one still serves its variant.
+  one = [{"variant": "jit-dp+bf16", "model": "tiny", "devices": 8, "build_s": 0.0,
+          "compile_s": 2.0, "xla_gib": 0.1},
+         {"variant": "pp-1f1b+bf16", "model": "tiny", "devices": 8, "build_s": 0.5,
+          "compile_s": 2.5, "xla_gib": 0.1, "microbatches": 4}]
+  assert "| tiny | pp-1f1b+bf16 | 8 | 4 | 0.5 | 2.5 | 1.50x jit-dp+bf16 |" in run.compile_table(one)
   with pytest.raises(ValueError, match="add --compile-only"):
     run.main(["--small", "--microbatches", "4,32", "--variants", "pp-1f1b"])
   with pytest.raises(SystemExit):  # argparse's own message names the comma list
